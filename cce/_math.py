@@ -1,0 +1,132 @@
+"""The loss as a function of per-token statistics, and its gradient with respect to the logits.
+
+Every implementation (PyTorch chunks, Triton kernels, vocabulary-parallel ranks, logits-level)
+reduces a token's logits ``L_i`` (after bias and softcap, in fp32) to three numbers:
+
+    lse_i  = logsumexp_v L_iv
+    tgt_i  = L_{i, t_i}
+    ssum_i = sum_v w_v L_iv          (w = class weights, or ones; only needed for label smoothing)
+
+and everything the options add is a function of those, computed here in O(N):
+
+    loss_i = (1 - ls) w_t (lse_i - tgt_i) + (ls / V) (W lse_i - ssum_i) + z lse_i^2,   W = sum_v w_v
+
+which is ``F.cross_entropy(L, t, weight=w, label_smoothing=ls, reduction="none")`` plus the z-loss.
+Its gradient with respect to the logits has the form
+
+    dloss / dL_iv = alpha_i p_iv - beta_i [v == t_i] - gamma_i w_v,     p = softmax(L_i)
+
+with, for an upstream gradient ``g_i`` on loss_i and ``h_i`` on lse_i (return_lse=True):
+
+    alpha_i = g_i ((1 - ls) w_t + ls W / V + 2 z lse_i) + h_i
+    beta_i  = g_i (1 - ls) w_t
+    gamma_i = g_i ls / V
+
+Kernels only ever see (alpha, beta, gamma): they never need to know which options produced them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossConsts:
+    """The scalar options that enter the loss formula."""
+
+    label_smoothing: float
+    z_loss: float
+    num_classes: int
+
+    @property
+    def smoothing(self) -> bool:
+        return self.label_smoothing > 0.0
+
+
+def target_weight(weight: torch.Tensor | None, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """w_{t_i} for valid rows, 0 for ignored ones (fp32)."""
+    if weight is None:
+        return valid.to(torch.float32)
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    return torch.where(valid, weight.float()[safe], 0.0)
+
+
+def weight_total(weight: torch.Tensor | None, V: int, device: torch.device) -> torch.Tensor | float:
+    """W = sum_v w_v (V without class weights)."""
+    return float(V) if weight is None else weight.float().sum()
+
+
+def mean_denominator(w_t: torch.Tensor) -> torch.Tensor:
+    """The 'mean' divisor: number of valid tokens (sum of their class weights with weights).
+
+    An all-ignored (or empty) batch divides by 1 instead of 0, so its loss and gradients are 0.
+    """
+    den = w_t.sum()
+    return torch.where(den != 0, den, torch.ones_like(den))
+
+
+def token_loss(
+    lse: torch.Tensor,
+    tgt: torch.Tensor,
+    ssum: torch.Tensor | None,
+    w_t: torch.Tensor,
+    W: torch.Tensor | float,
+    valid: torch.Tensor,
+    k: LossConsts,
+) -> torch.Tensor:
+    """Per-token loss from the statistics (0 at ignored positions)."""
+    ls = k.label_smoothing
+    loss = (1.0 - ls) * w_t * (lse - tgt)
+    if k.smoothing:
+        loss = loss + (ls / k.num_classes) * (W * lse - ssum)
+    if k.z_loss:
+        loss = loss + k.z_loss * lse * lse
+    return torch.where(valid, loss, 0.0)
+
+
+def reduce_loss(loss_tok: torch.Tensor, w_t: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return loss_tok
+    total = loss_tok.sum()
+    if reduction == "sum":
+        return total
+    return total / mean_denominator(w_t)
+
+
+def row_upstream(
+    grad_loss: torch.Tensor, w_t: torch.Tensor, reduction: str, n: int
+) -> torch.Tensor:
+    """g_i: the gradient reaching each token's loss from the reduced loss' gradient."""
+    if reduction == "none":
+        return grad_loss.float()
+    g = grad_loss.float().expand(n)
+    if reduction == "mean":
+        g = g / mean_denominator(w_t)
+    return g
+
+
+def coefficients(
+    g: torch.Tensor,
+    h: torch.Tensor | None,
+    lse: torch.Tensor,
+    w_t: torch.Tensor,
+    W: torch.Tensor | float,
+    valid: torch.Tensor,
+    k: LossConsts,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(alpha, beta, gamma) per row; all zero at ignored rows."""
+    ls = k.label_smoothing
+    g = torch.where(valid, g, 0.0)
+    beta = g * ((1.0 - ls) * w_t)
+    a = (1.0 - ls) * w_t
+    if k.smoothing:
+        a = a + ls * W / k.num_classes
+    if k.z_loss:
+        a = a + 2.0 * k.z_loss * lse
+    alpha = g * a
+    if h is not None:
+        alpha = alpha + torch.where(valid, h.float(), 0.0)
+    gamma = g * (ls / k.num_classes)
+    return alpha.contiguous(), beta.contiguous(), gamma.contiguous()

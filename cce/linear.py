@@ -1,0 +1,203 @@
+"""linear_cross_entropy: the public function, the module, and dispatch to an implementation."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from ._validation import check_linear_inputs
+from .options import CCEOptions
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_impl(impl: str, device: torch.device) -> str:
+    """'torch' or 'triton' for the requested impl and the tensors' device."""
+    if impl == "torch":
+        return "torch"
+    if impl == "triton":
+        if not _triton_available():
+            raise RuntimeError("impl='triton' needs the triton package, which is not installed")
+        if device.type != "cuda" and not _interpreting():
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors, got tensors on {device}; use impl='torch' "
+                "(or set TRITON_INTERPRET=1 before importing cce to run the kernels on the CPU)"
+            )
+        return "triton"
+    return "triton" if device.type == "cuda" and _triton_available() else "torch"
+
+
+def _prepare(e: torch.Tensor, targets: torch.Tensor, shift: bool):
+    """Flattens to (rows, D) without copying contiguous inputs.
+
+    Returns (e2d, rows, targets_flat, out_shape): problem row i reads e2d[rows[i]] (rows is None
+    for the identity) and targets_flat[i]. With shift, rows skip each sequence's last position so
+    that e[..., :-1, :] is read by index, not copied.
+    """
+    D = e.shape[-1]
+    e2d = e.reshape(-1, D)
+    if shift:
+        T = targets.shape[-1]
+        tgt = targets[..., 1:]
+        rows = torch.arange(e2d.shape[0], device=e.device).view(-1, T)[:, :-1].reshape(-1)
+    else:
+        tgt = targets
+        rows = None
+    return e2d, rows, tgt.reshape(-1).long(), tgt.shape
+
+
+def _needs_grad(t: torch.Tensor | None) -> bool:
+    return t is not None and t.requires_grad and torch.is_grad_enabled()
+
+
+def linear_cross_entropy_with_options(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    opts: CCEOptions,
+):
+    """linear_cross_entropy with its options already in a :class:`CCEOptions`."""
+    check_linear_inputs(e, c, targets, bias, weight, opts)
+    impl = select_impl(opts.impl, e.device)
+    e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
+    need_de, need_dc, need_db = _needs_grad(e), _needs_grad(c), _needs_grad(bias)
+    eps = opts.resolved_filter_eps(e.dtype)
+    args = (
+        e2d, c, bias, weight, rows, tgt, opts.ignore_index, opts.reduction, opts.softcap_value,
+        float(opts.label_smoothing), float(opts.z_loss), eps,
+    )
+    if impl == "torch":
+        from .torch_impl import linear_ce_torch_fwd
+
+        precompute = (need_de or need_dc or need_db) and opts.reduction != "none" and not opts.return_lse
+        loss, lse, *_ = linear_ce_torch_fwd(*args, precompute, need_de, need_dc, need_db)
+    else:
+        from .triton_impl import linear_ce_triton
+
+        loss, lse = linear_ce_triton(*args, need_de, need_dc, need_db)
+    if opts.reduction == "none":
+        loss = loss.reshape(out_shape)
+    if opts.return_lse:
+        return loss, lse.reshape(out_shape)
+    return loss
+
+
+def linear_cross_entropy(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    shift: bool = False,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    filter_eps: float | str | None = "auto",
+    impl: str = "auto",
+    return_lse: bool = False,
+):
+    """Cross entropy of the linear classifier ``e @ c.T + bias``, without materializing the logits.
+
+    Equivalent plain PyTorch (up to fp32 rounding and the documented differences below)::
+
+        logits = (e @ c.T + bias).float()
+        if softcap: logits = softcap * torch.tanh(logits / softcap)
+        if shift: logits, targets = logits[..., :-1, :], targets[..., 1:]
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), weight=weight,
+                               ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+        # plus z_loss * logsumexp(logits)**2 for every non-ignored token
+
+    Args:
+        e: hidden states ``(..., D)``, float32 / bfloat16 / float16.
+        c: classifier weight ``(V, D)`` (``lm_head.weight``), same dtype as ``e``.
+        targets: integer class ids shaped ``e.shape[:-1]``.
+        bias: optional classifier bias ``(V,)``.
+        ignore_index: targets equal to it contribute nothing.
+        reduction: ``"mean"`` (over non-ignored tokens, weighted by ``weight`` if given),
+            ``"sum"`` or ``"none"``.
+        shift: causal LM shift, predicting ``targets[..., 1:]`` from ``e[..., :-1, :]`` (no copy).
+        softcap: ``logits = softcap * tanh(logits / softcap)`` (Gemma 2/3); None disables it.
+        label_smoothing: as in ``F.cross_entropy``.
+        weight: class weights ``(V,)`` as in ``F.cross_entropy`` (not differentiated).
+        z_loss: adds ``z_loss * lse**2`` to every non-ignored token's loss.
+        filter_eps: gradient filtering threshold: ``"auto"`` (by dtype), a float, or None (exact).
+        impl: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
+        return_lse: also return the (differentiable) log-sum-exp per token, 0 at ignored tokens.
+
+    Returns:
+        The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``
+        with ``shift``) for ``reduction="none"``, 0 at ignored positions. With ``return_lse``,
+        ``(loss, lse)``. A "mean" over an all-ignored batch is 0.0 with zero gradients (not NaN).
+        Gradients come back in each input's dtype; inputs are never modified.
+    """
+    opts = CCEOptions(
+        ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap,
+        label_smoothing=label_smoothing, z_loss=z_loss, filter_eps=filter_eps, impl=impl,
+        return_lse=return_lse,
+    )
+    return linear_cross_entropy_with_options(e, c, targets, bias, weight, opts)
+
+
+class LinearCrossEntropy(nn.Module):
+    """Module form of :func:`linear_cross_entropy`: ``forward(e, c, targets, bias=None)``.
+
+    Replaces ``lm_head`` + ``nn.CrossEntropyLoss``: pass the hidden states and the head's weight
+    instead of logits. Takes the same keyword options; ``weight`` is kept as a buffer.
+    """
+
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        shift: bool = False,
+        softcap: float | None = None,
+        label_smoothing: float = 0.0,
+        weight: torch.Tensor | None = None,
+        z_loss: float = 0.0,
+        filter_eps: float | str | None = "auto",
+        impl: str = "auto",
+        return_lse: bool = False,
+    ) -> None:
+        super().__init__()
+        self.options = CCEOptions(
+            ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap,
+            label_smoothing=label_smoothing, z_loss=z_loss, filter_eps=filter_eps, impl=impl,
+            return_lse=return_lse,
+        )
+        self.register_buffer("weight", weight)
+
+    def forward(
+        self,
+        e: torch.Tensor,
+        c: torch.Tensor,
+        targets: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
+        return linear_cross_entropy_with_options(e, c, targets, bias, self.weight, self.options)
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (
+            f"reduction={o.reduction!r}, ignore_index={o.ignore_index}, shift={o.shift}, "
+            f"softcap={o.softcap}, label_smoothing={o.label_smoothing}, z_loss={o.z_loss}, "
+            f"filter_eps={o.filter_eps!r}, impl={o.impl!r}"
+        )
