@@ -1,0 +1,245 @@
+"""cce.transformers.patch on tiny random-initialized models of each supported family (no downloads).
+
+Every comparison is against the same model unpatched (a deep copy with identical weights), in fp32,
+with impl="torch". The two sides differ only in the order of fp32 reductions (logits, softmax,
+gradient matmuls), which measures ~1e-7 relative here; TOL = 2e-5 leaves a wide margin while a
+dropped output transform (softcap, logit scale) or a wrong shift changes the loss by > 1e-2.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import cce.transformers as cce_hf  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+
+V = 384
+TOL = 2e-5
+
+_COMMON = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# family -> (config class, model class, extra config). A larger init for the families with an output
+# transform makes the logits big enough (std ~2-4) for the softcap / scale to change the loss a lot.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"final_logit_softcapping": 2.0, "sliding_window": 8, "initializer_range": 0.3},
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"final_logit_softcapping": 2.0, "sliding_window": 8, "initializer_range": 0.3},
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 0.25, "initializer_range": 0.1}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0, "initializer_range": 0.1}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+TRANSFORMED = ("gemma2", "gemma3_text", "granite", "cohere")
+
+
+def build(family: str, seed: int = 0):
+    cfg_name, model_name, extra = FAMILIES[family]
+    cfg_cls = getattr(transformers, cfg_name, None)
+    model_cls = getattr(transformers, model_name, None)
+    if cfg_cls is None or model_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_name}")
+    cfg = cfg_cls(**{**_COMMON, **extra})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return model_cls(cfg).float().eval()
+
+
+def batch(seed: int = 0, B: int = 2, T: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a masked prompt
+    labels[1, torch.rand(T, generator=g) < 0.2] = -100
+    return ids, labels
+
+
+def grads(model):
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_grads_close(got: dict, ref: dict):
+    assert got.keys() == ref.keys()
+    for name in ref:
+        g, r = got[name], ref[name]
+        assert (g is None) == (r is None), name
+        if r is not None:
+            assert rel_err(g, r) < TOL, (name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loss_grads_and_outputs_match_unpatched(family):
+    ref = build(family)
+    model = cce_hf.patch(copy.deepcopy(ref), impl="torch")
+    ids, labels = batch()
+
+    out = model(input_ids=ids, labels=labels)
+    exp = ref(input_ids=ids, labels=labels)
+    assert out.logits is None
+    assert exp.logits is not None
+    assert abs(out.loss.item() - exp.loss.item()) <= TOL * abs(exp.loss.item())
+    out.loss.backward()
+    exp.loss.backward()
+    assert_grads_close(grads(model), grads(ref))
+
+    if family in TRANSFORMED:
+        # The family's transform must matter for these inputs, or the comparison above proves nothing.
+        with torch.no_grad():
+            raw = ref.lm_head(ref.model(input_ids=ids).last_hidden_state)
+            plain = F.cross_entropy(raw[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+        assert abs(plain.item() - exp.loss.item()) > 1e-2
+
+    # Without labels the patched model is the model: same logits, bit for bit.
+    with torch.no_grad():
+        a = model(input_ids=ids).logits
+        b = ref(input_ids=ids).logits
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_num_items_in_batch(family):
+    ref = build(family)
+    model = cce_hf.patch(copy.deepcopy(ref), impl="torch")
+    ids, labels = batch(1)
+    n = torch.tensor(37)  # as the Trainer passes it: valid tokens over all accumulated micro-batches
+    out = model(input_ids=ids, labels=labels, num_items_in_batch=n)
+    exp = ref(input_ids=ids, labels=labels, num_items_in_batch=n)
+    assert abs(out.loss.item() - exp.loss.item()) <= TOL * abs(exp.loss.item())
+    out.loss.backward()
+    exp.loss.backward()
+    assert_grads_close(grads(model), grads(ref))
+
+
+def test_return_dict_false_and_positional_labels():
+    ref = build("llama")
+    model = cce_hf.patch(copy.deepcopy(ref), impl="torch")
+    ids, labels = batch(2)
+    exp = ref(input_ids=ids, labels=labels).loss
+    tup = model(ids, None, None, None, None, labels, return_dict=False)
+    assert isinstance(tup, tuple)
+    assert abs(tup[0].item() - exp.item()) <= TOL * exp.item()
+    assert not any(t is not None and t.dim() == 3 and t.shape[-1] == V for t in tup if torch.is_tensor(t))
+
+
+def _manual_loss(ref, ids, labels, **kw):
+    with torch.no_grad():
+        logits = ref(input_ids=ids).logits.float()
+    z = logits[:, :-1].reshape(-1, V)
+    t = labels[:, 1:].reshape(-1)
+    ignore = kw.get("ignore_index", -100)
+    loss = F.cross_entropy(z, t, ignore_index=ignore, label_smoothing=kw.get("label_smoothing", 0.0))
+    if kw.get("z_loss"):
+        valid = t != ignore
+        loss = loss + kw["z_loss"] * (torch.logsumexp(z, -1)[valid] ** 2).mean()
+    return loss.item()
+
+
+def test_two_models_different_options():
+    ref = build("gemma2")
+    a = cce_hf.patch(copy.deepcopy(ref), impl="torch", label_smoothing=0.1, z_loss=1e-3)
+    b = cce_hf.patch(copy.deepcopy(ref), impl="torch", ignore_index=-1)
+    ids, labels = batch(3)
+    labels_b = torch.where(labels == -100, -1, labels)
+    want_a = _manual_loss(ref, ids, labels, label_smoothing=0.1, z_loss=1e-3)
+    want_b = _manual_loss(ref, ids, labels_b, ignore_index=-1)
+    for _ in range(2):  # interleaved calls: no state leaks from one model to the other
+        la = a(input_ids=ids, labels=labels).loss.item()
+        lb = b(input_ids=ids, labels=labels_b).loss.item()
+        assert abs(la - want_a) <= TOL * want_a
+        assert abs(lb - want_b) <= TOL * want_b
+    assert abs(want_a - want_b) > 1e-2
+
+
+def test_shift_labels_used_unshifted():
+    ref = build("qwen3")
+    model = cce_hf.patch(copy.deepcopy(ref), impl="torch")
+    ids, labels = batch(4)
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    got = model(input_ids=ids, labels=labels, shift_labels=shift).loss.item()
+    assert abs(got - _manual_loss(ref, ids, labels)) <= TOL * got
+
+
+def test_unpatch_restores_and_repatch():
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    cce_hf.patch(model, impl="torch")
+    cce_hf.patch(model, impl="torch", label_smoothing=0.2)  # re-patching replaces the options
+    assert cce_hf.is_patched(model)
+    assert model._cce_options.label_smoothing == 0.2
+    cce_hf.unpatch(model)
+    assert not cce_hf.is_patched(model)
+    assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
+    ids, labels = batch(5)
+    out = model(input_ids=ids, labels=labels)
+    exp = ref(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    assert torch.equal(out.loss, exp.loss)
+    assert cce_hf.unpatch(model) is model  # no-op
+
+
+def test_error_names_what_is_missing():
+    class NoHead(torch.nn.Module):
+        config = transformers.LlamaConfig()
+
+        def forward(self, input_ids=None, labels=None):
+            return input_ids
+
+    with pytest.raises(ValueError, match="lm_head"):
+        cce_hf.patch(NoHead())
+
+    class ConvHead(NoHead):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Conv1d(4, 4, 1)
+
+    with pytest.raises(TypeError, match="nn.Linear"):
+        cce_hf.patch(ConvHead())
+
+    class NoLabels(NoHead):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids=None):
+            return input_ids
+
+    with pytest.raises(ValueError, match="labels"):
+        cce_hf.patch(NoLabels())
+
+    class NoConfig(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="config"):
+        cce_hf.patch(NoConfig())
+    with pytest.raises(TypeError, match="reduction"):  # set by the patch, not by the user
+        cce_hf.patch(build("llama"), reduction="sum")
