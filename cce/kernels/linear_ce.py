@@ -1,0 +1,419 @@
+"""Triton kernels of linear cross entropy, and one launcher each (checks, allocation, grid, strides).
+
+No autograd here: cce/triton_impl.py assembles the loss from the statistics these kernels return
+and turns the upstream gradient into the per-row coefficients (alpha, gamma) they take.
+
+Row order. Both kernels read token rows through a permutation that puts the valid (non-ignored)
+rows first (``erow``: e2d row of each sorted position) and take ``n_valid`` as a device tensor:
+programs whose token block starts at or after ``n_valid`` return at once, so ignored tokens cost
+no matmul work and nothing synchronises with the host.
+
+Vocabulary order (backward only). With filtering on, the backward walks the vocabulary through a
+permutation ``perm`` (ids sorted by mean logit) so that the tiles whose probabilities are all
+below ``eps`` cluster and can be skipped; see docs/design.md.
+
+Offsets: row and vocabulary indices are promoted to int64 before they are multiplied by a stride,
+so N * V and V * D past 2^31 (N = 16384, V = 256000) address correctly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    BLOCK_N: int
+    BLOCK_V: int
+    BLOCK_D: int
+    num_warps: int
+    num_stages: int
+
+
+# One fixed, small config under the interpreter (no autotune there, and it is slow); on Hopper
+# 128 x 128 logit tiles with 64-wide D chunks, 8 warps, 3 stages (fp32 inputs need smaller D
+# chunks to keep the shared-memory pipeline within the limit).
+_INTERPRET_CONFIG = KernelConfig(16, 32, 32, 4, 1)
+
+
+def _config(dtype: torch.dtype, kind: str) -> KernelConfig:
+    if _interpreting():
+        return _INTERPRET_CONFIG
+    if dtype == torch.float32:
+        return KernelConfig(128, 128, 32, 8, 3)
+    if kind == "fwd":
+        return KernelConfig(128, 128, 64, 8, 3)
+    return KernelConfig(128, 128, 64, 8, 3)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: tf32 only where the user allowed it for matmuls; bf16/fp16 ignore this.
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp (libdevice's tanh does not run in the interpreter); exp(-2|x|) <= 1, so
+    # neither overflow nor cancellation for large |x|.
+    t = tl.exp(-2.0 * tl.abs(x))
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _logit_tile(
+    E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """e[erow] @ c[vid].T in fp32, [BLOCK_N, BLOCK_V]; erow, vid int64."""
+    offs_d = tl.arange(0, BLOCK_D)
+    e_ptr = E + erow[:, None] * stride_e + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    c_ptr = C + vid[:, None] * stride_c + offs_d[None, :]  # [BLOCK_V, BLOCK_D]
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dm = (d0 + offs_d) < D
+        e = tl.load(e_ptr, mask=row_mask[:, None] & dm[None, :], other=0.0)
+        c = tl.load(c_ptr, mask=col_mask[:, None] & dm[None, :], other=0.0)
+        acc = tl.dot(e, tl.trans(c), acc, input_precision=PRECISION)
+        e_ptr += BLOCK_D
+        c_ptr += BLOCK_D
+    return acc
+
+
+@triton.jit
+def _fwd_kernel(
+    E, C, Bias, W, Erow, Tgt, NValid,
+    Mx, Se, Tl, Ss,
+    N, V, D, stride_e, stride_c, stride_part, tiles_per_split, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Per (token block, vocabulary split): running max, sum of exp, target logit, weighted logit sum."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return  # only ignored rows left: no work
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    v0 = pid_s * tiles_per_split * BLOCK_V
+    for it in range(0, tiles_per_split):
+        offs_v = v0 + it * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_mask = offs_v < V
+        L = _logit_tile(
+            E, C, erow, offs_v.to(tl.int64), row_mask, col_mask, D, stride_e, stride_c,
+            BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip  # [BLOCK_N, BLOCK_V]
+        if HAS_BIAS:
+            b = tl.load(Bias + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+            L += b[None, :]  # once per tile, after the whole D loop
+        if HAS_SOFTCAP:
+            L = softcap * _tanh(L / softcap)
+        L = tl.where(col_mask[None, :], L, float("-inf"))
+        t_logit += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], L, 0.0), axis=1)
+        if HAS_SMOOTH:
+            if HAS_WEIGHT:
+                w = tl.load(W + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+                ssum += tl.sum(tl.where(col_mask[None, :], L * w[None, :], 0.0), axis=1)
+            else:
+                ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
+        # Every split's first tile has a column < V (the launcher sizes the splits so), hence m
+        # is finite after it and exp(m - m_new) never sees -inf - -inf.
+        m_new = tl.maximum(m, tl.max(L, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(L - m_new[:, None]), axis=1)
+        m = m_new
+    out = pid_s * stride_part + offs_n
+    tl.store(Mx + out, m, mask=row_mask)
+    tl.store(Se + out, s, mask=row_mask)
+    tl.store(Tl + out, t_logit, mask=row_mask)
+    if HAS_SMOOTH:
+        tl.store(Ss + out, ssum, mask=row_mask)
+
+
+@dataclass
+class FwdStats:
+    """Per sorted row (first n_valid rows meaningful; the others are 0): lse, target logit, ssum."""
+
+    lse: torch.Tensor
+    tgt: torch.Tensor
+    ssum: torch.Tensor | None
+
+
+def _check(e2d: torch.Tensor, c: torch.Tensor, *others: torch.Tensor | None) -> None:
+    if e2d.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got {e2d.device} (set TRITON_INTERPRET=1 before "
+            "importing cce to run them on the CPU)"
+        )
+    for t in (c, *others):
+        if t is not None and t.device != e2d.device:
+            raise ValueError(f"all tensors must be on one device, got {e2d.device} and {t.device}")
+    if e2d.stride(-1) != 1 or c.stride(-1) != 1:
+        raise ValueError("e2d and c must have unit stride along D")
+
+
+def _n_sm(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear_ce_forward(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    erow: torch.Tensor,
+    tgt: torch.Tensor,
+    n_valid: torch.Tensor,
+    softcap: float,
+    smoothing: bool,
+) -> FwdStats:
+    """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
+
+    ``tgt`` are the sorted rows' targets (any value for ignored rows). Partials of the vocabulary
+    splits are merged here in O(N * splits) torch ops, no locks.
+    """
+    _check(e2d, c, bias, weight, erow, tgt, n_valid)
+    N = erow.numel()
+    V, D = c.shape
+    dev = e2d.device
+    cfg = _config(e2d.dtype, "fwd")
+    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
+    # Enough (token block, split) programs for ~8 per SM, so that the last wave is short.
+    splits = max(1, min(n_vtiles, triton.cdiv(8 * _n_sm(dev), max(n_blocks, 1))))
+    tiles_per_split = triton.cdiv(n_vtiles, splits)
+    splits = triton.cdiv(n_vtiles, tiles_per_split)  # every split starts below V
+    f32 = torch.float32
+    Mx = torch.full((splits, N), float("-inf"), dtype=f32, device=dev)
+    Se = torch.zeros((splits, N), dtype=f32, device=dev)
+    Tl = torch.zeros((splits, N), dtype=f32, device=dev)
+    Ss = torch.zeros((splits, N), dtype=f32, device=dev) if smoothing else Se
+    if N > 0:
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            _fwd_kernel[(n_blocks, splits)](
+                e2d, c, bias if bias is not None else e2d, weight if weight is not None else e2d,
+                erow, tgt, n_valid, Mx, Se, Tl, Ss,
+                N, V, D, e2d.stride(0), c.stride(0), N, tiles_per_split, float(softcap),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smoothing,
+                HAS_WEIGHT=weight is not None,
+                BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+                PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
+    # m = -inf, S = 0 everywhere and are zeroed through `done`.
+    M = Mx.max(0).values
+    done = torch.isfinite(M)
+    Mz = torch.where(done, M, 0.0)
+    S = (Se * torch.exp(Mx - Mz)).sum(0)
+    lse = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
+    tl_ = torch.where(done, Tl.sum(0), 0.0)
+    ss = torch.where(done, Ss.sum(0), 0.0) if smoothing else None
+    return FwdStats(lse, tl_, ss)
+
+
+@triton.jit
+def _bwd_kernel(
+    E, C, Bias, W, Erow, Perm, NValid, Lse, Alpha, Gamma,
+    dE, dC, dBias, R, CSK, Skip,
+    N, V, D, stride_e, stride_c, stride_de, stride_dc, n_vtiles, softcap, eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SORTED: tl.constexpr, FILTER: tl.constexpr, WRITE_SKIP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    NEED_DE: tl.constexpr, NEED_DC: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (token block, vocabulary tile): recompute the logits, form the dense part of dZ and
+    add dZ @ C to dE, dZ^T @ E to dC (fp32 atomics), colsum(dZ) to dbias.
+
+    dense dZ = (alpha p [- gamma w with softcap]) * softcap'; the target term and (without
+    softcap) the smoothing term are rank-1 / sparse and added exactly outside (triton_impl.py).
+    With FILTER, a tile whose probabilities are all < eps skips both gradient matmuls and
+    writes rowsum(dZ) to R[row, tile] and colsum(dZ) to CSK[block, id] instead, for the rank-1
+    correction (rowsum x mean C_tile, colsum x mean E_block) done outside.
+    """
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    offs_p = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # positions in the (sorted) vocabulary
+    col_mask = offs_p < V
+    if SORTED:
+        vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    else:
+        vid = offs_p.to(tl.int64)
+    L = _logit_tile(
+        E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
+    )  # [BLOCK_N, BLOCK_V]
+    if HAS_BIAS:
+        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
+        L += b[None, :]
+    if HAS_SOFTCAP:
+        th = _tanh(L / softcap)
+        L = softcap * th
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    mask2 = row_mask[:, None] & col_mask[None, :]
+    p = tl.where(mask2, tl.exp(L - lse[:, None]), 0.0)
+    dz = alpha[:, None] * p
+    if FOLD_SMOOTH:
+        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
+        if HAS_WEIGHT:
+            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(col_mask, 1.0, 0.0)
+        dz -= gamma[:, None] * w[None, :]
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    dz = tl.where(mask2, dz, 0.0)
+    if NEED_DBIAS:
+        tl.atomic_add(dBias + vid, tl.sum(dz, axis=0), mask=col_mask, sem="relaxed")
+    if FILTER:
+        skip = tl.max(tl.max(p, axis=1), axis=0) < eps
+        if WRITE_SKIP:
+            tl.store(Skip + pid_n.to(tl.int64) * n_vtiles + pid_v, skip.to(tl.int8))
+        if skip:
+            if NEED_DE:
+                tl.store(R + offs_n.to(tl.int64) * n_vtiles + pid_v, tl.sum(dz, axis=1), mask=row_mask)
+            if NEED_DC:
+                tl.store(CSK + pid_n.to(tl.int64) * V + vid, tl.sum(dz, axis=0), mask=col_mask)
+            return
+    if SCALE_DZ:
+        # fp16 operands: alpha p can sit below fp16's normal range (alpha ~ 1/N for "mean"), so
+        # the tile is scaled to max |dZ| = 1 before rounding and the products scaled back.
+        scale = tl.max(tl.max(tl.abs(dz), axis=1), axis=0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        dzc = (dz / scale).to(E.dtype.element_ty)
+    else:
+        scale = 1.0
+        dzc = dz.to(E.dtype.element_ty)
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        dm = (d0 + offs_d) < D
+        if NEED_DE:
+            c = tl.load(
+                C + vid[:, None] * stride_c + (d0 + offs_d)[None, :],
+                mask=col_mask[:, None] & dm[None, :],
+                other=0.0,
+            )
+            g = tl.dot(dzc, c, input_precision=PRECISION) * scale  # [BLOCK_N, BLOCK_D]
+            tl.atomic_add(
+                dE + erow[:, None] * stride_de + (d0 + offs_d)[None, :], g,
+                mask=row_mask[:, None] & dm[None, :], sem="relaxed",
+            )  # fmt: skip
+        if NEED_DC:
+            e = tl.load(
+                E + erow[:, None] * stride_e + (d0 + offs_d)[None, :],
+                mask=row_mask[:, None] & dm[None, :],
+                other=0.0,
+            )
+            g = tl.dot(tl.trans(dzc), e, input_precision=PRECISION) * scale  # [BLOCK_V, BLOCK_D]
+            tl.atomic_add(
+                dC + vid[:, None] * stride_dc + (d0 + offs_d)[None, :], g,
+                mask=col_mask[:, None] & dm[None, :], sem="relaxed",
+            )  # fmt: skip
+
+
+@dataclass
+class BwdOut:
+    """fp32 accumulators; R / CSK hold the skipped tiles' row / column sums (None unfiltered)."""
+
+    dE: torch.Tensor | None
+    dC: torch.Tensor | None
+    dbias: torch.Tensor | None
+    R: torch.Tensor | None  # [N, n_vtiles] per sorted row
+    CSK: torch.Tensor | None  # [n_blocks, V] per vocabulary id
+    skip: torch.Tensor | None  # [n_blocks, n_vtiles] int8, only with record_skip
+    BLOCK_N: int
+    BLOCK_V: int
+
+
+def backward_blocks(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_V) the backward uses for ``dtype``: the filter's tile shape."""
+    cfg = _config(dtype, "bwd")
+    return cfg.BLOCK_N, cfg.BLOCK_V
+
+
+def linear_ce_backward(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    erow: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    gamma: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    softcap: float,
+    eps: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+    record_skip: bool = False,
+) -> BwdOut:
+    """Dense-part gradients of the sorted rows ``e2d[erow]`` (lse, alpha, gamma per sorted row).
+
+    ``gamma`` given means the smoothing term is folded into the tiles (softcap on); ``perm``
+    (vocabulary ids in walking order) given means the tiles are walked in that order.
+    """
+    _check(e2d, c, bias, weight, erow, n_valid, lse, alpha, gamma, perm)
+    N = erow.numel()
+    V, D = c.shape
+    dev = e2d.device
+    cfg = _config(e2d.dtype, "bwd")
+    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
+    f32 = torch.float32
+    filt = eps > 0
+    dE = torch.zeros(e2d.shape, dtype=f32, device=dev) if need_de else None
+    dC = torch.zeros(c.shape, dtype=f32, device=dev) if need_dc else None
+    db = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
+    R = torch.zeros((N, n_vtiles), dtype=f32, device=dev) if (filt and need_de) else None
+    CSK = torch.zeros((n_blocks, V), dtype=f32, device=dev) if (filt and need_dc) else None
+    skip = None
+    if record_skip and filt:
+        skip = torch.full((n_blocks, n_vtiles), -1, dtype=torch.int8, device=dev)
+    dummy = alpha
+    if N > 0 and (need_de or need_dc or need_dbias):
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            _bwd_kernel[(n_blocks, n_vtiles)](
+                e2d, c, bias if bias is not None else dummy, weight if weight is not None else dummy,
+                erow, perm if perm is not None else erow, n_valid, lse, alpha,
+                gamma if gamma is not None else dummy,
+                dE if dE is not None else dummy, dC if dC is not None else dummy,
+                db if db is not None else dummy, R if R is not None else dummy,
+                CSK if CSK is not None else dummy, skip if skip is not None else dummy,
+                N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), float(eps),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
+                HAS_WEIGHT=weight is not None, SORTED=perm is not None, FILTER=filt,
+                WRITE_SKIP=skip is not None, SCALE_DZ=e2d.dtype == torch.float16,
+                NEED_DE=need_de, NEED_DC=need_dc, NEED_DBIAS=need_dbias,
+                BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+                PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    return BwdOut(dE, dC, db, R, CSK, skip, cfg.BLOCK_N, cfg.BLOCK_V)

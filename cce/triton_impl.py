@@ -1,0 +1,316 @@
+"""impl="triton": the autograd layer over the kernels of cce/kernels/linear_ce.py.
+
+Forward: the kernel reduces each valid token's logits to (lse, target logit[, weighted logit
+sum]); the loss is assembled from those by cce/_math.py. Saved for backward: e, c, bias, weight,
+rows, targets (the inputs) and O(N) statistics (lse, target logit).
+
+Backward: _math.coefficients turns the upstream gradient into (alpha, beta, gamma) per row; the
+kernel adds the dense part alpha p (times softcap') of dZ; the sparse target term -beta [v == t]
+and, without softcap, the rank-1 smoothing term -gamma w are added exactly here, as are the
+rank-1 corrections of the tiles the filter skipped (docs/design.md has the error bound).
+
+Nothing here synchronises with the host: the valid-first row order and its count stay on the
+device, so a training step can be captured in a CUDA graph. Both entry points are
+``torch.library.custom_op``s, opaque to torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _math
+from .kernels import linear_ce as K
+
+# Rows of fp32 temporaries ([rows, D]) made at once by the O(N D) / O(V D) torch terms below.
+_CHUNK_ROWS = 8192
+
+
+def _kernel_dtype_inputs(e2d, c, bias, weight):
+    """float64 has no tensor-core dot: run it in float32 (the kernels accumulate in fp32 anyway)."""
+    if e2d.dtype == torch.float64:
+        e2d, c = e2d.float(), c.float()
+    if e2d.stride(-1) != 1:
+        e2d = e2d.contiguous()
+    if c.stride(-1) != 1:
+        c = c.contiguous()
+    return e2d, c, bias, weight
+
+
+class _Rows:
+    """Valid-first order of the problem rows, on the device (no host sync)."""
+
+    def __init__(self, targets: torch.Tensor, rows: torch.Tensor | None, ignore_index: int):
+        N = targets.numel()
+        dev = targets.device
+        self.N = N
+        self.valid = targets != ignore_index
+        self.safe_t = torch.where(self.valid, targets, torch.zeros_like(targets))
+        # Stable: valid rows keep their relative order (deterministic atomics order aside).
+        self.perm = torch.argsort((~self.valid).to(torch.int32), stable=True)
+        self.erow = rows if rows is not None else torch.arange(N, device=dev)  # e2d row, problem order
+        self.erow_s = self.erow.index_select(0, self.perm).contiguous()
+        self.n_valid = self.valid.sum(dtype=torch.int32).reshape(1)
+
+    def unsort(self, x_sorted: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x_sorted).index_copy_(0, self.perm, x_sorted)
+
+
+@torch.library.custom_op("cce::linear_ce_triton_fwd", mutates_args=())
+def linear_ce_triton_fwd(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    softcap: float,
+    label_smoothing: float,
+    z_loss: float,
+    filter_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, target logit); lse and the target logit are fp32 (N,), 0 at ignored rows."""
+    e2d, c, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
+    V = c.shape[0]
+    k = _math.LossConsts(label_smoothing, z_loss, V)
+    r = _Rows(targets, rows, ignore_index)
+    st = K.linear_ce_forward(
+        e2d, c, bias, weight, r.erow_s, r.safe_t.index_select(0, r.perm), r.n_valid, softcap, k.smoothing
+    )
+    lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
+    ssum = None if st.ssum is None else r.unsort(st.ssum)
+    w_t = _math.target_weight(weight, targets, r.valid)
+    W = _math.weight_total(weight, V, e2d.device)
+    loss_tok = _math.token_loss(lse, tgt, ssum, w_t, W, r.valid, k)
+    loss = _math.reduce_loss(loss_tok, w_t, reduction)
+    return loss, torch.where(r.valid, lse, 0.0), torch.where(r.valid, tgt, 0.0)
+
+
+@linear_ce_triton_fwd.register_fake
+def _(
+    e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss, filter_eps
+):
+    N = targets.shape[0]
+    loss = e2d.new_empty((N,) if reduction == "none" else (), dtype=torch.float32)
+    return loss, e2d.new_empty((N,), dtype=torch.float32), e2d.new_empty((N,), dtype=torch.float32)
+
+
+def _row_chunks(n: int):
+    for s in range(0, n, _CHUNK_ROWS):
+        yield s, min(s + _CHUNK_ROWS, n)
+
+
+def vocab_order(e2d, c, bias, r: _Rows) -> torch.Tensor:
+    """Vocabulary ids by decreasing mean logit ebar . c_v + b_v (ebar: mean of the valid rows).
+
+    Frequent classes have large mean logits in every row, so the tiles that must be kept cluster
+    at the front and the rest can be skipped as whole tiles.
+    """
+    esum = torch.zeros(e2d.shape[1], dtype=torch.float32, device=e2d.device)
+    valid_s = torch.arange(r.N, device=e2d.device) < r.n_valid
+    for s, t in _row_chunks(r.N):
+        rows = e2d.index_select(0, r.erow_s[s:t]).float()
+        esum += (rows * valid_s[s:t, None]).sum(0)
+    ebar = esum / r.n_valid.clamp(min=1).float()
+    score = torch.mv(c, ebar.to(c.dtype)).float()
+    if bias is not None:
+        score = score + bias.float()
+    return torch.argsort(score, descending=True)
+
+
+def _tile_means_c(c: torch.Tensor, perm: torch.Tensor | None, BV: int) -> torch.Tensor:
+    """[n_vtiles, D] mean of c's rows over each tile of the walking order."""
+    V, D = c.shape
+    nt = -(-V // BV)
+    pos = torch.arange(V, device=c.device)
+    tile_of_id = pos // BV if perm is None else torch.empty_like(pos).index_copy_(0, perm, pos // BV)
+    sums = torch.zeros(nt, D, dtype=torch.float32, device=c.device)
+    for s, t in _row_chunks(V):
+        sums.index_add_(0, tile_of_id[s:t], c[s:t].float())
+    counts = torch.full((nt,), float(BV), device=c.device)
+    counts[-1] = V - (nt - 1) * BV
+    return sums / counts[:, None]
+
+
+def _block_means_e(e2d: torch.Tensor, r: _Rows, BN: int) -> torch.Tensor:
+    """[n_blocks, D] mean of the valid rows of each sorted token block (0 for empty blocks)."""
+    nb = -(-r.N // BN)
+    dev = e2d.device
+    pos = torch.arange(r.N, device=dev)
+    valid_s = (pos < r.n_valid).float()
+    sums = torch.zeros(nb, e2d.shape[1], dtype=torch.float32, device=dev)
+    for s, t in _row_chunks(r.N):
+        rows = e2d.index_select(0, r.erow_s[s:t]).float() * valid_s[s:t, None]
+        sums.index_add_(0, pos[s:t] // BN, rows)
+    counts = torch.zeros(nb, dtype=torch.float32, device=dev).index_add_(0, pos // BN, valid_s)
+    return sums / counts.clamp(min=1.0)[:, None]
+
+
+def triton_backward(
+    e2d, c, bias, weight, rows, targets, lse, tgt, g, h, ignore_index, softcap, label_smoothing, z_loss,
+    filter_eps, need_de, need_dc, need_dbias, *, sort_vocab: bool = True, record_skip: bool = False,
+):  # fmt: skip
+    """(dE, dC, dbias) in fp32 (None where not needed) and the kernel's output (skip flags)."""
+    V, D = c.shape
+    dev = e2d.device
+    k = _math.LossConsts(label_smoothing, z_loss, V)
+    r = _Rows(targets, rows, ignore_index)
+    w_t = _math.target_weight(weight, targets, r.valid)
+    W = _math.weight_total(weight, V, dev)
+    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, r.valid, k)
+    fold = k.smoothing and softcap > 0
+    # With softcap the smoothing term -gamma w_v is multiplied by softcap'(z_iv), no longer
+    # rank-1; it is then part of every tile's dZ and the filter (whose bound assumes dZ ~ alpha p)
+    # is off, as in impl="torch".
+    eps = 0.0 if fold else float(filter_eps)
+    perm = vocab_order(e2d, c, bias, r) if (eps > 0 and sort_vocab) else None
+    out = K.linear_ce_backward(
+        e2d, c, bias, weight, r.erow_s, r.n_valid, lse.index_select(0, r.perm).contiguous(),
+        alpha.index_select(0, r.perm).contiguous(),
+        gamma.index_select(0, r.perm).contiguous() if fold else None,
+        perm, softcap, eps, need_de, need_dc, need_dbias, record_skip,
+    )  # fmt: skip
+    dE, dC, db = out.dE, out.dC, out.dbias
+    # Skipped tiles: rank-1 corrections rowsum(dZ_tile) x mean(C_tile), colsum(dZ_tile) x mean(E_block).
+    if out.R is not None:
+        Cm = _tile_means_c(c, perm, out.BLOCK_V)
+        for s, t in _row_chunks(r.N):
+            dE.index_add_(0, r.erow_s[s:t], out.R[s:t] @ Cm)
+    if out.CSK is not None:
+        dC.addmm_(out.CSK.T, _block_means_e(e2d, r, out.BLOCK_N))
+    # Target term -beta_i [v == t_i] (times softcap'(z_it) = 1 - (L_it / softcap)^2), exact.
+    bt = beta
+    if softcap > 0:
+        bt = beta * (1.0 - (tgt / softcap).square())
+    if db is not None:
+        db.index_add_(0, r.safe_t, -bt)
+    if dE is not None or dC is not None:
+        for s, t in _row_chunks(r.N):
+            ts, es, b_ = r.safe_t[s:t], r.erow[s:t], bt[s:t, None]
+            if dE is not None:
+                dE.index_add_(0, es, -b_ * c.index_select(0, ts).float())
+            if dC is not None:
+                dC.index_add_(0, ts, -b_ * e2d.index_select(0, es).float())
+    # Smoothing without softcap: -gamma_i w_v is rank-1, added exactly.
+    if k.smoothing and not fold:
+        w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
+        if db is not None:
+            db.sub_(w * gamma.sum())
+        if dE is not None:
+            wC = torch.zeros(D, dtype=torch.float32, device=dev)
+            for s, t in _row_chunks(V):
+                wC += w[s:t] @ c[s:t].float()
+            dE.index_add_(0, r.erow, -gamma[:, None] * wC[None, :])
+        if dC is not None:
+            ge = torch.zeros(D, dtype=torch.float32, device=dev)
+            for s, t in _row_chunks(r.N):
+                ge += gamma[s:t] @ e2d.index_select(0, r.erow[s:t]).float()
+            dC.addr_(w, ge, alpha=-1.0)
+    return dE, dC, db, out
+
+
+@torch.library.custom_op("cce::linear_ce_triton_bwd", mutates_args=())
+def linear_ce_triton_bwd(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    tgt: torch.Tensor,
+    g: torch.Tensor,
+    h: torch.Tensor | None,
+    ignore_index: int,
+    softcap: float,
+    label_smoothing: float,
+    z_loss: float,
+    filter_eps: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dE, dC, dbias) in the dtypes of e2d, c, bias (empty where not needed)."""
+    e_dtype, c_dtype = e2d.dtype, c.dtype
+    e2d_k, c_k, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
+    dE, dC, db, _ = triton_backward(
+        e2d_k, c_k, bias, weight, rows, targets, lse, tgt, g, h, ignore_index, softcap, label_smoothing,
+        z_loss, filter_eps, need_de, need_dc, need_dbias,
+    )  # fmt: skip
+    return (
+        dE.to(e_dtype) if dE is not None else e2d.new_empty(0),
+        dC.to(c_dtype) if dC is not None else c.new_empty(0),
+        db.to(bias.dtype) if db is not None else c.new_empty(0),
+    )
+
+
+@linear_ce_triton_bwd.register_fake
+def _(e2d, c, bias, weight, rows, targets, lse, tgt, g, h, ignore_index, softcap, label_smoothing, z_loss,
+      filter_eps, need_de, need_dc, need_dbias):  # fmt: skip
+    dE = e2d.new_empty(e2d.shape if need_de else (0,))
+    dC = c.new_empty(c.shape if need_dc else (0,))
+    db = c.new_empty((c.shape[0],) if need_dbias else (0,), dtype=bias.dtype if bias is not None else c.dtype)
+    return dE, dC, db
+
+
+def _setup_context(ctx, inputs, output):
+    (e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, ls, z_loss, eps) = inputs
+    _loss, lse, tgt = output
+    ctx.mark_non_differentiable(tgt)
+    ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, eps)
+    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse, tgt)
+
+
+def _backward(ctx, g_loss, g_lse, _g_tgt):
+    ignore_index, reduction, softcap, ls, z_loss, eps = ctx.opts
+    e2d, c, bias, weight, rows, targets, lse, tgt = ctx.saved_tensors
+    need_de, need_dc, need_db = ctx.needs_input_grad[:3]
+    need_db = need_db and bias is not None
+    nothing = (None,) * 9
+    if not (need_de or need_dc or need_db):
+        return (None, None, None, *nothing)
+    valid = targets != ignore_index
+    w_t = _math.target_weight(weight, targets, valid)
+    N = targets.numel()
+    if g_loss is None:
+        g = torch.zeros(N, dtype=torch.float32, device=targets.device)
+    else:
+        g = _math.row_upstream(g_loss, w_t, reduction, N).contiguous()
+    dE, dC, db = linear_ce_triton_bwd(
+        e2d, c, bias, weight, rows, targets, lse, tgt, g, g_lse, ignore_index, softcap, ls, z_loss, eps,
+        need_de, need_dc, need_db,
+    )  # fmt: skip
+    return (dE if need_de else None, dC if need_dc else None, db if need_db else None, *nothing)
+
+
+linear_ce_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_ce_triton(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    softcap: float,
+    label_smoothing: float,
+    z_loss: float,
+    filter_eps: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse) with the meaning of cce.torch_impl.linear_ce_torch_fwd's arguments.
+
+    need_de / need_dc / need_dbias are implied by autograd (ctx.needs_input_grad) and accepted for
+    the common signature only.
+    """
+    loss, lse, _ = linear_ce_triton_fwd(
+        e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
+        filter_eps,
+    )  # fmt: skip
+    return loss, lse
