@@ -1,0 +1,232 @@
+"""One-call GPU check of impl="triton": correctness at real sizes, skip rates, quick timings.
+
+    PYTHONUNBUFFERED=1 python3 bench/gpu_linear_check.py [--quick] [--no-timing]
+
+Correctness is measured against :func:`chunked_reference` (fp32 logits from the same low-precision
+inputs, TF32 off, chunked over tokens so that N x V never exists in fp32 at once). Prints a table
+last and writes everything to $OUT/gpu_linear_check.json (or bench/results/ without $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.data import make_inputs  # noqa: E402
+from cce import linear_cross_entropy  # noqa: E402
+
+
+def chunked_reference(e, c, t, *, ignore_index: int = -100, bias=None, softcap=None, chunk_bytes=2 << 30):
+    """(mean loss, dE, dC) in fp32 from fp32 copies of e, c (TF32 off), unit upstream gradient."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        N, D = e.shape
+        V = c.shape[0]
+        cf = c.float()
+        valid = t != ignore_index
+        n = valid.sum().clamp(min=1).float()
+        safe = torch.where(valid, t, 0)
+        dE = torch.zeros(N, D, dtype=torch.float32, device=e.device)
+        dC = torch.zeros(V, D, dtype=torch.float32, device=e.device)
+        total = torch.zeros((), dtype=torch.float64, device=e.device)
+        rows = max(1, chunk_bytes // (4 * V))
+        for s in range(0, N, rows):
+            ef = e[s : s + rows].float()
+            z = ef @ cf.T
+            if bias is not None:
+                z += bias.float()
+            if softcap:
+                th = torch.tanh(z / softcap)
+                z = th * softcap
+            lse = torch.logsumexp(z, 1)
+            ts = safe[s : s + rows]
+            vs = valid[s : s + rows]
+            total += torch.where(vs, lse - z.gather(1, ts[:, None]).squeeze(1), 0.0).double().sum()
+            z.sub_(lse[:, None]).exp_()  # softmax in place
+            z[torch.arange(z.shape[0], device=z.device), ts] -= 1.0
+            z.mul_((vs.float() / n)[:, None])
+            if softcap:
+                z.mul_(1.0 - th * th)
+                del th
+            dE[s : s + rows] = z @ cf
+            dC.addmm_(z.T, ef)
+            del z
+        return (total / n.double()).float(), dE, dC
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-300))
+
+
+def triton_run(e, c, t, filter_eps, **kw):
+    e = e.detach().requires_grad_()
+    c = c.detach().requires_grad_()
+    loss = linear_cross_entropy(e, c, t, impl="triton", filter_eps=filter_eps, **kw)
+    loss.backward()
+    return loss.detach(), e.grad, c.grad
+
+
+def skip_rate(e, c, t, filter_eps, sort_vocab: bool) -> float:
+    """Fraction of the valid (token block, vocab tile) tiles the backward filter skipped."""
+    from cce import _math
+    from cce.options import CCEOptions
+    from cce.triton_impl import linear_ce_triton_fwd, triton_backward
+
+    eps = CCEOptions(filter_eps=filter_eps).resolved_filter_eps(e.dtype)
+    loss, lse, tgt = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)
+    valid = t != -100
+    w_t = _math.target_weight(None, t, valid)
+    g = _math.row_upstream(torch.ones((), device=e.device), w_t, "mean", t.numel())
+    *_, out = triton_backward(
+        e, c, None, None, None, t, lse, tgt, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False,
+        sort_vocab=sort_vocab, record_skip=True,
+    )  # fmt: skip
+    sk = out.skip
+    done = sk >= 0
+    return float((sk == 1).sum() / done.sum().clamp(min=1))
+
+
+def correctness(cases, results):
+    for N, D, V, regime, dtype, feps in cases:
+        name = f"N={N} D={D} V={V} {regime} {str(dtype).split('.')[-1]} eps={feps}"
+        try:
+            e, c, t = make_inputs(N, D, V, regime, dtype=dtype, device="cuda", seed=1)
+            ref_loss, ref_dE, ref_dC = chunked_reference(e, c, t)
+            torch.cuda.synchronize()
+            loss, dE, dC = triton_run(e, c, t, feps)
+            torch.cuda.synchronize()
+            row = dict(
+                case=name, N=N, D=D, V=V, regime=regime, dtype=str(dtype), filter_eps=str(feps),
+                loss=float(loss), loss_rel=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
+                dE_rel=rel(dE, ref_dE), dC_rel=rel(dC, ref_dC),
+            )  # fmt: skip
+            if feps == "auto" and regime == "zipf":
+                row["skip_sorted"] = skip_rate(e, c, t, feps, True)
+                row["skip_unsorted"] = skip_rate(e, c, t, feps, False)
+            del ref_dE, ref_dC, dE, dC
+        except Exception as exc:  # keep going: one failing case must not hide the others
+            row = dict(case=name, error=f"{type(exc).__name__}: {exc}"[:400])
+        print(json.dumps(row), flush=True)
+        results["correctness"].append(row)
+        torch.cuda.empty_cache()
+
+
+def _time_case(e, c, t) -> dict:
+    from triton.testing import do_bench
+
+    row = dict(floor_ms=do_bench(lambda: e @ c.T, warmup=25, rep=100, return_mode="median"))
+    row["fwd_ms"] = do_bench(
+        lambda: linear_cross_entropy(e, c, t, impl="triton"), warmup=25, rep=100, return_mode="median"
+    )
+    for feps in ("auto", None):
+        er = e.detach().requires_grad_()
+        cr = c.detach().requires_grad_()
+
+        def step(er=er, cr=cr, feps=feps):
+            er.grad = cr.grad = None
+            linear_cross_entropy(er, cr, t, impl="triton", filter_eps=feps).backward()
+
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        key = "auto" if feps == "auto" else "exact"
+        row[f"peak_{key}_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        row[f"fwdbwd_{key}_ms"] = do_bench(step, warmup=10, rep=200, return_mode="median")
+    return row
+
+
+def timing(shapes, results):
+    for label, (N, D, V) in shapes:
+        for regime in ("random", "zipf"):
+            try:
+                e, c, t = make_inputs(N, D, V, regime, dtype=torch.bfloat16, device="cuda", seed=2)
+                row = dict(shape=label, N=N, D=D, V=V, regime=regime, **_time_case(e, c, t))
+            except Exception as exc:
+                row = dict(shape=label, regime=regime, error=f"{type(exc).__name__}: {exc}"[:400])
+            print(json.dumps(row), flush=True)
+            results["timing"].append(row)
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="only the mid-size correctness cases")
+    ap.add_argument("--no-timing", action="store_true")
+    args = ap.parse_args()
+    import triton
+
+    results = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        correctness=[],
+        timing=[],
+    )
+    print(
+        f"{results['gpu']} torch {results['torch']} triton {results['triton']} {results['date']}", flush=True
+    )
+    bf, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cases = [
+        (1024, 2048, 32000, "zipf", bf, "auto"),
+        (1024, 2048, 32000, "zipf", bf, None),
+        (1024, 2048, 32000, "random", bf, "auto"),
+        (1024, 2048, 32000, "zipf", fp16, "auto"),
+        (1024, 2048, 32000, "zipf", fp32, "auto"),
+    ]
+    if not args.quick:
+        cases += [
+            (4096, 4096, 128256, "zipf", bf, "auto"),
+            (4096, 4096, 128256, "zipf", bf, None),
+            (16384, 2304, 256000, "zipf", bf, "auto"),
+            (16384, 2304, 256000, "random", bf, None),
+        ]
+    t0 = time.time()
+    correctness(cases, results)
+    print(f"correctness: {time.time() - t0:.1f} s", flush=True)
+    if not args.no_timing:
+        t0 = time.time()
+        timing([("gemma2-2b", (8192, 2304, 256000)), ("llama3-8b", (8192, 4096, 128256))], results)
+        print(f"timing: {time.time() - t0:.1f} s", flush=True)
+    out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_linear_check.json").write_text(json.dumps(results, indent=1))
+    print("\n| case | loss rel | dE rel | dC rel | skip sorted / unsorted |")
+    print("|---|---|---|---|---|")
+    for r in results["correctness"]:
+        if "error" in r:
+            print(f"| {r['case']} | ERROR {r['error'][:120]} |")
+            continue
+        sk = f"{r['skip_sorted']:.4f} / {r['skip_unsorted']:.4f}" if "skip_sorted" in r else ""
+        print(f"| {r['case']} | {r['loss_rel']:.2e} | {r['dE_rel']:.2e} | {r['dC_rel']:.2e} | {sk} |")
+    print("\n| shape | data | floor ms | fwd ms | fwd+bwd auto ms (MB) | fwd+bwd exact ms (MB) |")
+    print("|---|---|---|---|---|---|")
+    for r in results["timing"]:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['regime']} | ERROR {r['error'][:120]} |")
+            continue
+        print(
+            f"| {r['shape']} | {r['regime']} | {r['floor_ms']:.2f} | {r['fwd_ms']:.2f} | "
+            f"{r['fwdbwd_auto_ms']:.2f} ({r['peak_auto_MB']:.0f}) | "
+            f"{r['fwdbwd_exact_ms']:.2f} ({r['peak_exact_MB']:.0f}) |"
+        )
+
+
+if __name__ == "__main__":
+    main()
