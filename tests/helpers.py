@@ -55,7 +55,9 @@ def loss_and_grads(fn, e, c, t, b, *, generator=None, **kw):
         up2 = torch.randn(lse.shape, generator=generator, dtype=torch.float64).to(lse.device).float()
         total = total + (lse * up2).sum()
     inputs = [x for x in (e, c, b) if x is not None and x.requires_grad]
-    grads = torch.autograd.grad(total, inputs, allow_unused=True) if total.requires_grad else [None] * len(inputs)
+    grads = (
+        torch.autograd.grad(total, inputs, allow_unused=True) if total.requires_grad else [None] * len(inputs)
+    )
     return loss.detach(), None if lse is None else lse.detach(), list(grads)
 
 
@@ -65,6 +67,163 @@ def compare_with_reference(fn, e, c, t, b, *, seed: int = 0, ref_dtype=torch.flo
     g2 = torch.Generator().manual_seed(seed)
     got = loss_and_grads(fn, e, c, t, b, generator=g1, **kw)
     ref = loss_and_grads(
-        lambda *a, **k: linear_cross_entropy_reference(*a, dtype=ref_dtype, **k), e, c, t, b, generator=g2, **kw
+        lambda *a, **k: linear_cross_entropy_reference(*a, dtype=ref_dtype, **k),
+        e,
+        c,
+        t,
+        b,
+        generator=g2,
+        **kw,
     )
     return got, ref
+
+
+# --------------------------------------------------------------------------------------------
+# Oracle comparison with error bounds (used by tests/test_linear.py; any implementation can use it)
+# --------------------------------------------------------------------------------------------
+
+# Unit roundoff (half an ulp at 1.0) of the dtype a gradient is stored in. Storing an exact value
+# x in that dtype (round to nearest) moves it by at most u * |x|, so the relative L2 error of the
+# stored gradient from that step alone is at most u.
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8 / 2,
+    torch.float16: 2.0**-11,
+}
+
+
+def make_weight(V: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Positive class weights in [0.25, 2) (fp32, not differentiated, as in F.cross_entropy)."""
+    return torch.rand(V, generator=generator) * 1.75 + 0.25
+
+
+def problem_rows(e, c, t, b, *, shift: bool = False, softcap: float | None = None):
+    """fp64 (E, L, z, t) of the problem rows: E the hidden rows actually used, z = E @ c.T + b
+    before softcap, L after softcap, t the flattened targets (shift applied by slicing)."""
+    E = e.detach().double()
+    if shift:
+        E = E[..., :-1, :]
+        t = t[..., 1:]
+    E = E.reshape(-1, e.shape[-1])
+    z = E @ c.detach().double().T
+    if b is not None:
+        z = z + b.detach().double()
+    L = z if softcap is None else softcap * torch.tanh(z / softcap)
+    return E, L, z, t.reshape(-1).long()
+
+
+def run_with_upstream(fn, e, c, t, b, *, seed: int, **kw):
+    """fn(e, c, t, b, **kw) backpropagated with seeded N(0,1) upstream gradients on the loss (and
+    on the lse when return_lse). Returns (loss, lse, {name: grad}, up_loss, up_lse)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = fn(e, c, t, b, **kw)
+    loss, lse = out if isinstance(out, tuple) else (out, None)
+    up_loss = torch.randn(loss.shape, generator=gen, dtype=torch.float64).float()
+    up_lse = None
+    total = (loss * up_loss).sum()
+    if lse is not None:
+        up_lse = torch.randn(lse.shape, generator=gen, dtype=torch.float64).float()
+        total = total + (lse * up_lse).sum()
+    named = {k: x for k, x in (("e", e), ("c", c), ("bias", b)) if x is not None and x.requires_grad}
+    grads = dict.fromkeys(named)
+    if total.requires_grad and named:
+        gs = torch.autograd.grad(total, list(named.values()), allow_unused=True)
+        grads = dict(zip(named, gs, strict=True))
+    return loss.detach(), None if lse is None else lse.detach(), grads, up_loss, up_lse
+
+
+def reference_logit_grad(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
+    """fp64 d(total)/dz for the problem rows (z = logits before softcap), from the oracle."""
+    shift, softcap = opts.get("shift", False), opts.get("softcap")
+    _, _, z, _ = problem_rows(e, c, t, b, shift=shift, softcap=softcap)
+    z = z.clone().requires_grad_()
+    ref_opts = {k: v for k, v in opts.items() if k not in ("shift", "filter_eps", "impl")}
+    # Targets after the shift, logits of the problem rows: call the logits-level oracle unshifted.
+    tt = t[..., 1:] if shift else t
+    from cce.reference import cross_entropy_reference
+
+    out = cross_entropy_reference(z.view(*tt.shape, -1), tt, weight=weight, dtype=torch.float64, **ref_opts)
+    loss, lse = out if isinstance(out, tuple) else (out, None)
+    total = (loss * up_loss.double()).sum()
+    if lse is not None:
+        total = total + (lse * up_lse.double()).sum()
+    (dz,) = torch.autograd.grad(total, z) if total.requires_grad else (torch.zeros_like(z),)
+    return dz.detach()
+
+
+def grad_error_scales(e, c, t, b, dz, *, shift: bool = False):
+    """Norms of |dZ| |C|, |dZ|^T |E| and colsum |dZ| for dZ = the magnitudes of the summed terms
+    (abs_logit_grad_terms): each gradient entry is a sum of terms whose absolute values sum to the
+    corresponding entry here, so rounding error in computing it is bounded by (gamma_n) times it,
+    whatever cancellation makes the gradient itself small."""
+    E, _, _, _ = problem_rows(e, c, t, b, shift=shift)
+    a = dz.abs()
+    return {
+        "e": float((a @ c.detach().double().abs()).norm()),
+        "c": float((a.T @ E.abs()).norm()),
+        "bias": float(a.sum(0).norm()),
+    }
+
+
+def _row_terms(e, c, t, b, up_loss, up_lse, *, weight=None, reduction="mean", **opts):
+    """fp64 pieces of dL/dz_iv = (alpha_i p_iv - beta_i [v == t_i] - gamma_i w_v) softcap'_iv for the
+    problem rows, with the row coefficients from cce._math (the formula every implementation
+    shares): (E, p, sc, alpha, beta, gamma, w, t)."""
+    from cce import _math
+
+    shift, softcap = opts.get("shift", False), opts.get("softcap")
+    E, L, z, tt = problem_rows(e, c, t, b, shift=shift, softcap=softcap)
+    ignore_index = opts.get("ignore_index", -100)
+    V = c.shape[0]
+    valid = tt != ignore_index
+    p = torch.softmax(L, dim=-1)
+    sc = torch.ones_like(L) if softcap is None else 1 - torch.tanh(z / softcap) ** 2
+    w = torch.ones(V, dtype=torch.float64) if weight is None else weight.double()
+    w_t = _math.target_weight(None if weight is None else w, tt, valid).double()
+    W = _math.weight_total(None if weight is None else w, V, e.device)
+    k = _math.LossConsts(opts.get("label_smoothing", 0.0), opts.get("z_loss", 0.0), V)
+    up = up_loss.reshape(-1) if reduction == "none" else up_loss
+    g = _math.row_upstream(up.double(), w_t, reduction, tt.numel()).double()
+    lse = torch.logsumexp(L, dim=-1)
+    h = None if up_lse is None else up_lse.reshape(-1).double()
+    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
+    return E, p, sc, alpha.double(), beta.double(), gamma.double(), w, tt
+
+
+def abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
+    """(|alpha_i| p_iv + |beta_i| [v == t_i] + |gamma_i| w_v) |softcap'_iv|: the magnitude of the
+    terms an implementation adds up into dL/dz_iv (they cancel, e.g. for V = 1 or a confident
+    softmax, so |dL/dz| alone understates the rounding error of a correct implementation)."""
+    E, p, sc, alpha, beta, gamma, w, tt = _row_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
+    A = alpha.abs()[:, None] * p + gamma.abs()[:, None] * w.abs()[None, :]
+    if tt.numel():
+        valid = beta != 0
+        safe = torch.where(valid, tt, torch.zeros_like(tt))
+        A[torch.arange(tt.numel()), safe] += beta.abs()
+    return A * sc.abs()
+
+
+def filter_error_bounds(e, c, t, b, up_loss, up_lse, eps: float, *, weight=None, **opts):
+    """Upper bounds on ||dE_filtered - dE_exact||_F and ||dC_filtered - dC_exact||_F for a filter that
+    skips (row-chunk x vocab-block) tiles whose probabilities are all < eps and replaces a skipped
+    tile's contribution by the rank-1 term rowsum(dZ_tile) (outer) mean(C_tile) (and
+    colsum (outer) mean(E_chunk) for dC).
+
+    A skipped entry has p_iv < eps and dense gradient alpha_i p_iv softcap'_iv (|softcap'| <= 1).
+    Replacing c_v by a block mean moves it by at most 2 max_v ||c_v||, so row i of dE is off by at
+    most |alpha_i| sum_{v: p_iv < eps} p_iv * 2 max||c_v||; likewise column v of dC with
+    2 max_i ||e_i||. The bound holds for any tile shape and any subset of small entries skipped.
+    The bias gradient is not filtered (bound 0)."""
+    if eps <= 0:
+        return {"e": 0.0, "c": 0.0, "bias": 0.0}
+    E, p, _, alpha, _, _, _, _ = _row_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
+    # 1e-3 margin: the implementation decides "p < eps" in fp32, this check in fp64.
+    small = torch.where(p < eps * (1 + 1e-3), p, 0.0) * alpha.abs()[:, None]  # [N, V]
+    cmax = float(c.detach().double().norm(dim=1).max()) if c.shape[0] else 0.0
+    emax = float(E.norm(dim=1).max()) if E.shape[0] else 0.0
+    return {
+        "e": float(small.sum(1).norm()) * 2 * cmax,
+        "c": float(small.sum(0).norm()) * 2 * emax,
+        "bias": 0.0,
+    }
