@@ -1,0 +1,398 @@
+"""Logits-level cross entropy: online-softmax forward (per-row statistics) and recomputing backward.
+
+Layout: logits ``(..., V)`` seen as N rows of V classes (class dim LAST). Row ``i`` starts at element
+``row_off[i]`` when a row-offset table is given (leading dims that cannot be flattened into one
+stride), else at ``i * stride_n``. The last dim must be unit-stride (the launchers copy otherwise).
+
+Forward: one program per (row, vocabulary split). It streams its slice of the row once, keeping a
+running max ``m`` and a running sum ``s = sum exp(L - m)`` (one exp per element, in base 2), and
+writes the row's lse, target logit and (label smoothing only) ``ssum = sum_v w_v L_v``. With
+several splits per row each program writes a partial lse / ssum, combined by a tiny torch op.
+Ignored rows are not read at all.
+
+Backward: one program per (row, split) recomputes ``p = exp(L - lse)`` and writes
+``dL = (alpha p - beta [v == t] - gamma w) * softcap'`` in the logits' dtype, possibly into the
+logits buffer itself (each element is read before it is overwritten, by the same thread). Ignored
+rows write zeros without reading.
+
+Both loops run over full blocks without a bounds mask (so the loads stay 16-byte vectors) and
+finish with one masked tail block. Offsets are int64: N * V passes 2^31 at N=16384, V=256000.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(L, th): L = softcap * tanh(x / softcap) and th = tanh(x / softcap) (th = x without softcap).
+
+    tanh is written with exp2 (libdevice tanh does not run in the interpreter):
+    tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) <= 1, which never overflows.
+    """
+    if HAS_SOFTCAP:
+        y = x / softcap
+        e = tl.exp2((-2.0 * LOG2E) * tl.abs(y))
+        th = (1.0 - e) / (1.0 + e)
+        th = tl.where(y < 0, -th, th)
+        return softcap * th, th
+    else:
+        return x, x
+
+
+@triton.jit
+def _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """One block of the online softmax; x already holds -inf at masked-off classes.
+
+    m is the running max of L * log2(e); s = sum 2^(L log2 e - m). Masked entries contribute
+    exp2(-inf) = 0 to s and (via w = 0) nothing to ssum.
+    """
+    L, _ = _softcapped(x, softcap, HAS_SOFTCAP)
+    if HAS_SOFTCAP:
+        L = tl.where(x == float("-inf"), float("-inf"), L)  # softcap maps -inf to -softcap
+    L2 = L * LOG2E
+    m_new = tl.maximum(m, tl.max(L2, 0))
+    s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(L2 - m_new), 0)
+    if HAS_SMOOTHING:
+        ssum += tl.sum(tl.where(w != 0, L, 0.0) * w, 0)  # masked: L = -inf, w = 0
+    return m_new, s, ssum
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    X,  # logits, rows of V classes
+    ROW_OFF,  # [N] int64 row offsets (HAS_ROW_OFF) else unused
+    stride_n,
+    T,  # [N] targets
+    W,  # [V] class weights (HAS_WEIGHT) else unused
+    LSE,  # [N] fp32, or [N, n_splits] partial lse (SPLIT)
+    TGT,  # [N] fp32 target logit
+    SSUM,  # [N] or [N, n_splits] fp32 (HAS_SMOOTHING) else unused
+    V,
+    v_per_split,  # multiple of BLOCK_V
+    n_splits,
+    ignore_index,
+    softcap,
+    HAS_ROW_OFF: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    t = tl.load(T + row).to(tl.int64)
+    active = t != ignore_index
+    if HAS_ROW_OFF:
+        base = tl.load(ROW_OFF + row)
+    else:
+        base = row * stride_n
+    x_row = X + base
+    v_start = split * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    n_full = (v_end - v_start) // BLOCK_V
+    n_full = tl.where(active, n_full, 0)  # ignored rows: read nothing
+    offs = tl.arange(0, BLOCK_V)
+
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    ssum = tl.zeros((), tl.float32)
+    one = tl.full((BLOCK_V,), 1.0, tl.float32)
+    for b in range(0, n_full):
+        cols = v_start + b * BLOCK_V + offs  # [BLOCK_V]
+        x = tl.load(x_row + cols).to(tl.float32)
+        w = one
+        if HAS_WEIGHT:
+            w = tl.load(W + cols).to(tl.float32)
+        m, s, ssum = _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+    # Tail block (partial or empty); all masked for ignored rows. (The mask is one comparison:
+    # the interpreter rejects a block mask combined with a scalar condition.)
+    cols = v_start + n_full * BLOCK_V + offs
+    mask = cols < tl.where(active, v_end, v_start)
+    x = tl.load(x_row + cols, mask=mask, other=float("-inf")).to(tl.float32)
+    w = tl.where(mask, 1.0, 0.0)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    m, s, ssum = _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+
+    lse = (m + tl.log2(s)) * LN2
+    lse = tl.where(active, lse, 0.0)
+    ssum = tl.where(active, ssum, 0.0)
+    if SPLIT:
+        tl.store(LSE + row * n_splits + split, lse)
+        if HAS_SMOOTHING:
+            tl.store(SSUM + row * n_splits + split, ssum)
+    else:
+        tl.store(LSE + row, lse)
+        if HAS_SMOOTHING:
+            tl.store(SSUM + row, ssum)
+    if split == 0:
+        safe_t = tl.where(active, t, 0)  # an ignored row reads its first element, then drops it
+        xt = tl.load(x_row + safe_t).to(tl.float32)
+        Lt, _ = _softcapped(xt, softcap, HAS_SOFTCAP)
+        tl.store(TGT + row, tl.where(active, Lt, 0.0))
+
+
+@triton.jit
+def _bwd_block(
+    x, cols, t, w, lse2, alpha, beta, gamma, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr
+):
+    L, th = _softcapped(x, softcap, HAS_SOFTCAP)
+    p = tl.exp2(L * LOG2E - lse2)
+    d = alpha * p - tl.where(cols == t, beta, 0.0)
+    if HAS_SMOOTHING:
+        d -= gamma * w
+    if HAS_SOFTCAP:
+        d *= 1.0 - th * th
+    return d
+
+
+@triton.jit
+def _ce_bwd_kernel(
+    X,
+    ROW_OFF,
+    stride_n,
+    DX,  # gradient; DX == X for the in-place backward
+    stride_dn,
+    T,
+    W,
+    LSE,  # [N] fp32 (0 at ignored rows)
+    ALPHA,  # [N] fp32 row coefficients (cce._math.coefficients)
+    BETA,
+    GAMMA,
+    V,
+    v_per_split,
+    ignore_index,
+    softcap,
+    HAS_ROW_OFF: tl.constexpr,
+    DX_ROW_OFF: tl.constexpr,  # DX rows at the same offsets as X's (in place)
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    t = tl.load(T + row).to(tl.int64)
+    active = t != ignore_index
+    if HAS_ROW_OFF:
+        base = tl.load(ROW_OFF + row)
+    else:
+        base = row * stride_n
+    if DX_ROW_OFF:
+        dbase = base
+    else:
+        dbase = row * stride_dn
+    x_row = X + base
+    dx_row = DX + dbase
+    lse2 = tl.load(LSE + row) * LOG2E
+    alpha = tl.load(ALPHA + row)
+    beta = tl.load(BETA + row)
+    gamma = tl.load(GAMMA + row)
+    v_start = split * v_per_split
+    v_end = tl.minimum(v_start + v_per_split, V)
+    n_full = (v_end - v_start) // BLOCK_V
+    offs = tl.arange(0, BLOCK_V)
+    one = tl.full((BLOCK_V,), 1.0, tl.float32)
+    if active:
+        for b in range(0, n_full):
+            cols = v_start + b * BLOCK_V + offs  # [BLOCK_V]
+            x = tl.load(x_row + cols).to(tl.float32)
+            w = one
+            if HAS_WEIGHT:
+                w = tl.load(W + cols).to(tl.float32)
+            d = _bwd_block(x, cols, t, w, lse2, alpha, beta, gamma, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+            tl.store(dx_row + cols, d.to(DX.dtype.element_ty))
+    else:
+        # Ignored rows: zeros, without reading the logits.
+        zero = tl.zeros((BLOCK_V,), DX.dtype.element_ty)
+        for b in range(0, n_full):
+            tl.store(dx_row + v_start + b * BLOCK_V + offs, zero)
+    cols = v_start + n_full * BLOCK_V + offs
+    mask = cols < v_end
+    x = tl.load(x_row + cols, mask=cols < tl.where(active, v_end, v_start), other=0.0).to(tl.float32)
+    w = one
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    d = _bwd_block(x, cols, t, w, lse2, alpha, beta, gamma, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+    d = tl.where(active, d, 0.0)
+    tl.store(dx_row + cols, d.to(DX.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: a small 'machine' so that small test problems exercise splitting
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(dtype: torch.dtype, backward: bool) -> tuple[int, int]:
+    """(BLOCK_V, num_warps). One fixed config under the interpreter (small blocks: it is slow)."""
+    if _interpreting():
+        return 256, 4
+    # 16 KB of logits per block: 8 bf16 (16 bytes) per thread and load, 4 loads in flight per
+    # thread with 8 warps; fp32 logits get half as many classes per block.
+    if dtype == torch.float32:
+        return 2048, 8
+    return 4096, 8
+
+
+def split_plan(N: int, V: int, block_v: int, device: torch.device, splits: int | None = None):
+    """(n_splits, v_per_split): split rows over programs when there are too few rows to fill the GPU."""
+    n_blocks = triton.cdiv(V, block_v)
+    if splits is None:
+        want = 4 * _num_sms(device)
+        splits = 1 if N >= want else triton.cdiv(want, max(N, 1))
+    splits = max(1, min(int(splits), n_blocks))
+    v_per_split = triton.cdiv(n_blocks, splits) * block_v
+    return triton.cdiv(V, v_per_split), v_per_split
+
+
+def row_layout(logits: torch.Tensor):
+    """(x, stride_n, row_off): how the kernels find row i of logits ``(..., V)``.
+
+    A unit-stride class dim is required (callers copy otherwise). Leading dims that flatten into
+    one stride give ``row_off=None``; otherwise (e.g. a transposed (T, B, V) view) an int64 table of
+    row offsets is built (N entries) so that nothing is copied.
+    """
+    V = logits.shape[-1]
+    assert logits.stride(-1) == 1 or V == 1
+    try:
+        x2 = logits.view(-1, V)
+        stride = x2.stride(0) if x2.shape[0] > 1 else V
+        return logits, stride, None
+    except RuntimeError:
+        pass
+    off = torch.zeros((), dtype=torch.int64, device=logits.device)
+    for size, st in zip(logits.shape[:-1], logits.stride()[:-1], strict=True):
+        off = off.unsqueeze(-1) + torch.arange(size, device=logits.device, dtype=torch.int64) * st
+    return logits, 0, off.reshape(-1).contiguous()
+
+
+def _weight_arg(weight: torch.Tensor | None, smoothing: bool, like: torch.Tensor):
+    if weight is not None and smoothing:
+        return weight.contiguous(), True
+    return like, False  # unused pointer
+
+
+def ce_forward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    softcap: float,
+    smoothing: bool,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    splits: int | None = None,
+):
+    """Per-row (lse, target logit, ssum or None) in fp32 of logits ``(..., V)``; targets flat [N].
+
+    lse, tgt and ssum are 0 at ignored rows (targets == ignore_index).
+    """
+    V = logits.shape[-1]
+    N = targets.numel()
+    dev = logits.device
+    lse = torch.empty(N, dtype=torch.float32, device=dev)
+    tgt = torch.empty(N, dtype=torch.float32, device=dev)
+    ssum = torch.empty(N, dtype=torch.float32, device=dev) if smoothing else None
+    if N == 0:
+        return lse, tgt, ssum
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    cfg = default_config(logits.dtype, backward=False)
+    block_v = block_v or cfg[0]
+    num_warps = num_warps or cfg[1]
+    n_splits, v_per_split = split_plan(N, V, block_v, dev, splits)
+    x, stride_n, row_off = row_layout(logits)
+    w, has_w = _weight_arg(weight, smoothing, lse)
+    split = n_splits > 1
+    if split:
+        plse = torch.empty(N, n_splits, dtype=torch.float32, device=dev)
+        pssum = torch.empty(N, n_splits, dtype=torch.float32, device=dev) if smoothing else None
+    else:
+        plse, pssum = lse, ssum
+    _ce_fwd_kernel[(N, n_splits)](
+        x, row_off if row_off is not None else lse, stride_n, targets, w,
+        plse, tgt, pssum if pssum is not None else lse,
+        V, v_per_split, n_splits, ignore_index, float(softcap),
+        HAS_ROW_OFF=row_off is not None, HAS_SOFTCAP=softcap > 0, HAS_WEIGHT=has_w,
+        HAS_SMOOTHING=smoothing, SPLIT=split, BLOCK_V=block_v, num_warps=num_warps,
+    )  # fmt: skip
+    if split:
+        # Ignored rows hold 0 in every partial; their combined lse (log n_splits) is reset by the caller.
+        torch.logsumexp(plse, dim=1, out=lse)
+        if smoothing:
+            torch.sum(pssum, dim=1, out=ssum)
+    return lse, tgt, ssum
+
+
+def ce_backward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    gamma: torch.Tensor,
+    ignore_index: int,
+    softcap: float,
+    smoothing: bool,
+    *,
+    inplace: bool = False,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """dloss/dlogits in the logits' dtype and shape (contiguous), or written into ``logits``.
+
+    With ``inplace`` the gradient overwrites ``logits`` and ``logits`` is returned. A logits tensor
+    whose class dim is not unit-stride is copied first (and the result copied back in place).
+    """
+    V = logits.shape[-1]
+    N = targets.numel()
+    if inplace and logits.stride(-1) != 1 and V > 1:
+        tmp = ce_backward(logits.contiguous(), targets, weight, lse, alpha, beta, gamma, ignore_index,
+                          softcap, smoothing, inplace=True, block_v=block_v, num_warps=num_warps,
+                          splits=splits)  # fmt: skip
+        logits.copy_(tmp)
+        return logits
+    src = logits if (logits.stride(-1) == 1 or V == 1) else logits.contiguous()
+    dx = src if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    if N == 0:
+        return dx
+    cfg = default_config(logits.dtype, backward=True)
+    block_v = block_v or cfg[0]
+    num_warps = num_warps or cfg[1]
+    n_splits, v_per_split = split_plan(N, V, block_v, logits.device, splits)
+    x, stride_n, row_off = row_layout(src)
+    if inplace:
+        stride_dn = stride_n
+    else:
+        stride_dn = V
+    w, has_w = _weight_arg(weight, smoothing, lse)
+    _ce_bwd_kernel[(N, n_splits)](
+        x, row_off if row_off is not None else lse, stride_n, dx, stride_dn, targets, w,
+        lse, alpha, beta, gamma, V, v_per_split, ignore_index, float(softcap),
+        HAS_ROW_OFF=row_off is not None, DX_ROW_OFF=inplace and row_off is not None,
+        HAS_SOFTCAP=softcap > 0, HAS_WEIGHT=has_w, HAS_SMOOTHING=smoothing, BLOCK_V=block_v,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return dx
