@@ -1,0 +1,451 @@
+"""Vocabulary-parallel cce and FSDP2 heads on CPU: gloo process groups on 127.0.0.1, started here.
+
+One group of 2 and one of 3 processes (torch.multiprocessing spawn, a free port) run every case
+below once; each case's outcome on each rank comes back in a JSON file and is one pytest item.
+Equality cases compare the distributed loss, lse and gradients with the single-process result
+(impl="torch" on the whole classifier) under the same random upstream gradients; error cases
+check that every rank raises a clear error (none hangs: gloo's timeout is short).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+import zlib
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import loss_and_grads, make_linear_inputs, rel_err  # noqa: E402
+
+import cce  # noqa: E402
+import cce.torch_impl  # noqa: E402
+from cce.distributed import (  # noqa: E402
+    linear_cross_entropy_vocab_parallel,
+    lm_head_linear_cross_entropy,
+)
+from cce.reference import linear_cross_entropy_reference  # noqa: E402
+
+# fp32 on both sides, only the summation order differs (logsumexp over blocks then ranks, dE summed
+# over ranks): errors are a few fp32 ulps of the row sums, ~1e-7 relative; 2e-5 leaves room for the
+# small, cancellation-prone gradients (label smoothing, z-loss) without hiding a wrong term (those
+# are O(1e-2) or larger).
+TOL_FP32 = 2e-5
+# bf16 inputs: both sides accumulate in fp32 and round the gradients to bf16 once; the rounding
+# (2^-8 relative per entry) can land differently when the fp32 values differ in the last bits.
+TOL_BF16 = 1e-2
+
+D, V = 40, 263  # V: not a multiple of the 3-way split, more than one 128-row filter block
+
+EQ_CASES: dict[str, dict] = {
+    "mean": dict(),
+    "sum": dict(opts=dict(reduction="sum")),
+    "none": dict(opts=dict(reduction="none")),
+    "shift": dict(opts=dict(shift=True)),
+    "softcap": dict(opts=dict(softcap=3.0), scale=9.0),
+    "label_smoothing": dict(opts=dict(label_smoothing=0.2)),
+    "smoothing_softcap_none": dict(opts=dict(label_smoothing=0.1, softcap=2.0, reduction="none")),
+    "weight": dict(weight=True),
+    "weight_smoothing_sum": dict(weight=True, opts=dict(label_smoothing=0.3, reduction="sum")),
+    "z_loss": dict(opts=dict(z_loss=1e-2)),
+    "return_lse": dict(opts=dict(return_lse=True)),
+    "return_lse_none_shift": dict(opts=dict(return_lse=True, reduction="none", shift=True)),
+    "bias": dict(bias=True),
+    "bias_everything": dict(
+        bias=True,
+        weight=True,
+        opts=dict(shift=True, softcap=4.0, label_smoothing=0.1, z_loss=1e-3, return_lse=True),
+    ),
+    "uneven_blocks": dict(split="skewed"),
+    "all_ignored": dict(ignore_frac=1.0, bias=True),
+    "ignore_index_0": dict(opts=dict(ignore_index=0)),
+    "multi_chunk": dict(chunk_bytes=2048, bias=True, opts=dict(label_smoothing=0.1)),
+    "bf16": dict(dtype=torch.bfloat16, bias=True),
+    "filter_auto": dict(opts=dict(filter_eps="auto")),
+}
+# Filtering on (CPU): each rank filters on its block's softmax, which is >= the global one, so it
+# skips no more than one device would; it must be no less accurate than one device (vs fp64).
+FILTER_CASES = {"filter_1e-3": dict(opts=dict(filter_eps=1e-3), scale=16.0)}
+DTENSOR_CASES = ("dtensor", "dtensor_bias_shift")
+ERROR_CASES = (
+    "err_e_mismatch",
+    "err_targets_mismatch",
+    "err_n_mismatch",
+    "err_option_mismatch",
+    "err_local_bad_shape",
+    "err_empty_block",
+    "err_target_beyond_blocks",
+    "err_dtensor_not_covering",
+    "err_no_group",
+)
+FSDP_CASES = ("fsdp_head_separate", "fsdp_root_only_inside_forward")
+
+
+def _split(world: int, how: str) -> list[int]:
+    if how == "skewed":  # rank 0 small, the last rank large
+        sizes = [1 + 7 * r * r for r in range(world)]
+        sizes[-1] += V - sum(sizes)
+        return sizes
+    base = [V // world + (1 if r < V % world else 0) for r in range(world)]
+    return base
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _inputs(name: str, spec: dict):
+    g = torch.Generator().manual_seed(_seed(name))
+    e, c, t, b = make_linear_inputs(
+        (3, 11),
+        D,
+        V,
+        spec.get("dtype", torch.float32),
+        bias=spec.get("bias", False),
+        ignore_frac=spec.get("ignore_frac", 0.15),
+        scale=spec.get("scale", 4.0),
+        generator=g,
+    )
+    w = (torch.rand(V, generator=g) + 0.25) if spec.get("weight") else None
+    return e, c, t, b, w
+
+
+def _leaf(x, rows=None):
+    if x is None:
+        return None
+    x = x.detach()
+    if rows is not None:
+        x = x[rows]
+    return x.clone().requires_grad_()
+
+
+def _compare(name, got, ref, tol, block):
+    (l1, s1, g1), (l2, s2, g2) = got, ref
+    assert rel_err(l1, l2) <= tol, f"{name}: loss {l1} vs {l2}"
+    if s2 is not None:
+        assert rel_err(s1, s2) <= tol, f"{name}: lse rel err {rel_err(s1, s2)}"
+    names = ("dE", "dC", "dbias")
+    for i, (a, b) in enumerate(zip(g1, g2)):
+        if i > 0 and b is not None:
+            b = b[block]
+        if a is None or b is None:
+            assert a is None and b is None, f"{name}: {names[i]} missing on one side"
+            continue
+        err = rel_err(a, b)
+        assert err <= tol, f"{name}: {names[i]} rel err {err:.3g} > {tol}"
+
+
+def _eq_case(name, spec, rank, world, group):
+    e, c, t, b, w = _inputs(name, spec)
+    opts = spec.get("opts", {})
+    sizes = _split(world, spec.get("split", "even"))
+    start = sum(sizes[:rank])
+    block = slice(start, start + sizes[rank])
+    old = cce.torch_impl.CHUNK_BYTES
+    cce.torch_impl.CHUNK_BYTES = spec.get("chunk_bytes", old)
+    try:
+        ref = loss_and_grads(
+            lambda *a, **k: cce.linear_cross_entropy(*a, weight=w, impl="torch", **k),
+            _leaf(e),
+            _leaf(c),
+            t,
+            _leaf(b),
+            generator=torch.Generator().manual_seed(7),
+            **opts,
+        )
+        wl = None if w is None else w[block]
+        got = loss_and_grads(
+            lambda *a, **k: linear_cross_entropy_vocab_parallel(*a, weight=wl, process_group=group, **k),
+            _leaf(e),
+            _leaf(c, block),
+            t,
+            _leaf(b, block),
+            generator=torch.Generator().manual_seed(7),
+            **opts,
+        )
+    finally:
+        cce.torch_impl.CHUNK_BYTES = old
+    tol = TOL_BF16 if spec.get("dtype") == torch.bfloat16 else TOL_FP32
+    _compare(name, got, ref, tol, block)
+
+
+def _filter_case(name, spec, rank, world, group):
+    e, c, t, b, w = _inputs(name, spec)
+    opts = spec["opts"]
+    sizes = _split(world, "even")
+    start = sum(sizes[:rank])
+    block = slice(start, start + sizes[rank])
+
+    def run(fn, *args):
+        return loss_and_grads(fn, *args, generator=torch.Generator().manual_seed(3), **opts)
+
+    exact = run(
+        lambda *a, **k: linear_cross_entropy_reference(*a, dtype=torch.float64, **k),
+        _leaf(e),
+        _leaf(c),
+        t,
+        None,
+    )
+    one = run(lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", **k), _leaf(e), _leaf(c), t, None)
+    par = run(
+        lambda *a, **k: linear_cross_entropy_vocab_parallel(*a, process_group=group, **k),
+        _leaf(e),
+        _leaf(c, block),
+        t,
+        None,
+    )
+    for i, what in enumerate(("dE", "dC")):
+        ref_i = exact[2][i] if i == 0 else exact[2][i][block]
+        one_i = one[2][i] if i == 0 else one[2][i][block]
+        err_par, err_one = rel_err(par[2][i], ref_i), rel_err(one_i, ref_i)
+        # 1e-6: the fp32 floor when the filter happens to skip nothing on one device.
+        assert err_par <= max(2 * err_one, 1e-6), (
+            f"{name}: {what} err {err_par:.3g} vs one device {err_one:.3g}"
+        )
+    assert rel_err(par[0], exact[0]) <= TOL_FP32
+
+
+def _dtensor_case(name, rank, world, group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    with_bias = name == "dtensor_bias_shift"
+    opts = dict(shift=True, label_smoothing=0.1) if with_bias else {}
+    e, c, t, b, _ = _inputs(name, dict(bias=with_bias))
+    ref = loss_and_grads(
+        lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", **k),
+        _leaf(e),
+        _leaf(c),
+        t,
+        _leaf(b),
+        generator=torch.Generator().manual_seed(5),
+        **opts,
+    )
+    c_dt = distribute_tensor(c.detach(), mesh, [Shard(0)]).requires_grad_()
+    b_dt = None if b is None else distribute_tensor(b.detach(), mesh, [Shard(0)]).requires_grad_()
+    loss, lse, grads = loss_and_grads(
+        lambda *a, **k: linear_cross_entropy_vocab_parallel(*a, **k),
+        _leaf(e),
+        c_dt,
+        t,
+        b_dt,
+        generator=torch.Generator().manual_seed(5),
+        **opts,
+    )
+    # torch.chunk's split (what Shard(0) uses): ceil(V / world) rows per rank, the rest last.
+    per = -(-V // world)
+    block = slice(min(rank * per, V), min((rank + 1) * per, V))
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    _compare(name, (loss, lse, grads), ref, TOL_FP32, block)
+
+
+def _expect(fn, types, text):
+    try:
+        fn()
+    except types as exc:
+        assert text in str(exc), f"message {str(exc)!r} lacks {text!r}"
+        return
+    raise AssertionError(f"no error raised (expected {types} with {text!r})")
+
+
+def _error_case(name, rank, world, group):
+    e, c, t, b, _ = _inputs(name, dict())
+    sizes = _split(world, "even")
+    start = sum(sizes[:rank])
+    cl = c.detach()[start : start + sizes[rank]]
+    ed = e.detach()
+
+    def vp(e_, c_, t_, **k):
+        return linear_cross_entropy_vocab_parallel(e_, c_, t_, process_group=group, **k)
+
+    last = rank == world - 1
+    if name == "err_e_mismatch":
+        e2 = ed + 1e-3 if last else ed
+        _expect(lambda: vp(e2, cl, t), ValueError, "e differs across ranks")
+    elif name == "err_targets_mismatch":
+        t2 = t.clone()
+        if last:
+            t2[0, 0] = (int(t2[0, 0]) + 1) % V
+        _expect(lambda: vp(ed, cl, t2), ValueError, "targets differs across ranks")
+    elif name == "err_n_mismatch":
+        n = 2 if last else 3
+        _expect(lambda: vp(ed[:n], cl, t[:n]), ValueError, "'N' differs across ranks")
+    elif name == "err_option_mismatch":
+        ls = 0.1 if last else 0.0
+        _expect(lambda: vp(ed, cl, t, label_smoothing=ls), ValueError, "'label_smoothing' differs")
+    elif name == "err_local_bad_shape":
+        c2 = cl[:, :-1] if last else cl
+        if last:
+            _expect(lambda: vp(ed, c2, t), ValueError, "hidden size mismatch")
+        else:
+            _expect(lambda: vp(ed, c2, t), RuntimeError, f"rank(s) [{world - 1}]")
+    elif name == "err_empty_block":
+        c2 = cl[:0] if last else cl
+        if last:
+            _expect(lambda: vp(ed, c2, t), ValueError, "at least one row")
+        else:
+            _expect(lambda: vp(ed, c2, t), RuntimeError, "rejected their inputs")
+    elif name == "err_target_beyond_blocks":
+        c2 = cl[:-1] if last else cl  # the blocks now cover V - 1 rows
+        t2 = t.clone()
+        t2[0, 0] = V - 1
+        _expect(lambda: vp(ed, c2, t2), IndexError, f"[0, {V - 1})")
+    elif name == "err_dtensor_not_covering":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        # A DTensor claiming more rows than its shards hold (run_check=False skips torch's check).
+        c_dt = DTensor.from_local(cl, mesh, [Shard(0)], run_check=False, shape=(V + 5, D), stride=(D, 1))
+        _expect(lambda: linear_cross_entropy_vocab_parallel(ed, c_dt, t), ValueError, "do not cover")
+    elif name == "err_no_group":
+        _expect(lambda: linear_cross_entropy_vocab_parallel(ed, cl, t), ValueError, "process_group")
+    else:
+        raise KeyError(name)
+    dist.barrier(group)  # every rank got here: nobody hangs in a collective
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(D, D)
+        self.lm_head = torch.nn.Linear(D, V, bias=False)
+
+    def forward(self, x, t=None):
+        h = torch.tanh(self.body(x))
+        if t is None:
+            return h
+        # As a patched model forward would: loss on the head's weight, inside the forward.
+        return cce.linear_cross_entropy(h, self.lm_head.weight, t, impl="torch", shift=True)
+
+
+def _fsdp_case(name, rank, world, group):
+    """FSDP2 (data parallel): each rank its own tokens; the sharded head's gradient after
+    FSDP2's reduce-scatter must equal the one-device gradient of the mean of the ranks' losses."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(_seed(name))
+    model = _Model()
+    ref_model = copy.deepcopy(model)
+    data = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(_seed(name) + r)
+        x = torch.randn(2, 9, D, generator=g)
+        t = torch.randint(0, V, (2, 9), generator=g)
+        t[0, 3] = -100
+        data.append((x, t))
+    if name == "fsdp_head_separate":
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+        def step(m, x, t):
+            return lm_head_linear_cross_entropy(m.lm_head, m(x), t, shift=True, impl="torch")
+
+        # The lm_head's weight is sharded outside its own forward: plain linear_cross_entropy
+        # would read a DTensor; vocabulary parallelism on it must refuse data-parallel tokens.
+        x, t = data[rank]
+        assert hasattr(model.lm_head.weight, "to_local")
+        if world > 1:
+            _expect(
+                lambda: linear_cross_entropy_vocab_parallel(model(x).detach(), model.lm_head.weight, t),
+                ValueError,
+                "differs across ranks",
+            )
+    else:
+        fully_shard(model, mesh=mesh)
+
+        def step(m, x, t):
+            return m(x, t)
+
+    x, t = data[rank]
+    step(model, x, t).backward()
+    # One device: FSDP2 averages gradients over ranks, i.e. the gradient of the mean loss.
+    total = sum(step(ref_model, xr, tr) for xr, tr in data) / world
+    total.backward()
+    for (pname, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        got = p.grad.full_tensor()
+        err = rel_err(got, q.grad)
+        assert err <= TOL_FP32, f"{name}: grad of {pname} rel err {err:.3g}"
+    assert not hasattr(model.lm_head.weight.grad, "full_tensor") or model.lm_head.weight.grad.placements
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    group = dist.group.WORLD
+    results = {}
+    for name in names:
+        try:
+            if name in EQ_CASES:
+                _eq_case(name, EQ_CASES[name], rank, world, group)
+            elif name in FILTER_CASES:
+                _filter_case(name, FILTER_CASES[name], rank, world, group)
+            elif name in DTENSOR_CASES:
+                _dtensor_case(name, rank, world, group)
+            elif name in ERROR_CASES:
+                _error_case(name, rank, world, group)
+            elif name in FSDP_CASES:
+                _fsdp_case(name, rank, world, group)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+        dist.barrier(group)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+ALL_CASES = [*EQ_CASES, *FILTER_CASES, *DTENSOR_CASES, *ERROR_CASES, *FSDP_CASES]
+
+
+def _run_group(world: int, tmp: Path) -> dict[str, list[str]]:
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp), ALL_CASES), nprocs=world, join=True)
+    out: dict[str, list[str]] = {}
+    for r in range(world):
+        for name, res in json.loads((tmp / f"rank{r}.json").read_text()).items():
+            out.setdefault(name, []).append(res)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+def group_results(request, tmp_path_factory):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    world = request.param
+    return world, _run_group(world, tmp_path_factory.mktemp(f"world{world}"))
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_distributed(group_results, case):
+    world, results = group_results
+    got = results.get(case)
+    assert got is not None and len(got) == world, f"{case}: no result from every rank"
+    failures = [f"rank {r}:\n{res}" for r, res in enumerate(got) if res != "ok"]
+    assert not failures, "\n".join(failures)
