@@ -1,0 +1,609 @@
+"""The benchmark loop: inputs, fp32 references, timing, peak memory, errors, table and JSON.
+
+Per (level, shape, data regime) the inputs are generated once (bench.data), an fp32 reference is
+computed from the same bf16 inputs (chunked, never the whole N x V in fp32), and the "floor" is
+measured in the same run:
+
+- linear level: the forward matmul ``e @ c.T`` in the inputs' dtype, timed like the providers;
+- logits level: the bytes the loss must move (fwd: read the logits once; fwd+bwd: read them twice
+  and write the gradient once, 3 * N * V * 2 bytes in bf16) at the device-to-device copy bandwidth
+  measured at the start of the run (bytes read + written per second).
+
+Then every provider runs each mode ("fwd" under no_grad; "fwd+bwd" = loss + torch.autograd.grad
+w.r.t. the inputs): one call that also compiles/warms up and gives the errors, one call for peak
+memory, then the timing. Any exception (OOM included) becomes the row's status and message; memory
+is freed and the CUDA cache emptied before the next provider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import data
+from .providers import FWD, FWDBWD, LINEAR, LOGITS, MODES, Provider, versions
+
+IGNORE_INDEX = data.IGNORE_INDEX
+# Rows per chunk of the fp32 references and error sums: bounds their temporaries to ~1 GB at V=256000.
+REF_CHUNK_BYTES = 1 << 30
+COPY_BYTES = 1 << 31  # the bandwidth probe copies a 2 GiB buffer
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    N: int
+    D: int
+    V: int
+    sweep: bool = False
+
+
+@dataclasses.dataclass
+class Config:
+    shapes: list[Shape]
+    providers: list[Provider]
+    regimes: tuple[str, ...] = data.REGIMES
+    modes: tuple[str, ...] = MODES
+    levels: tuple[str, ...] = (LINEAR, LOGITS)
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    seed: int = 0
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    min_reps: int = 10  # the timed window is widened to hold at least this many calls
+    out_dir: Path | None = None
+    plots: bool = True
+    tag: str = ""
+    log: Callable[[str], None] = print
+
+
+# --- references ------------------------------------------------------------------------------
+
+
+def _rows_per_chunk(V: int) -> int:
+    return max(1, REF_CHUNK_BYTES // (4 * V))
+
+
+class _Fp32Matmul:
+    """Context: fp32 matmuls in full fp32 (no TF32), for the references."""
+
+    def __enter__(self):
+        self.saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        return self
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def _shifted_targets(t: torch.Tensor) -> torch.Tensor:
+    """Targets of the causal-shifted problem on the same rows: row i predicts t[i + 1], last ignored."""
+    out = torch.full_like(t, IGNORE_INDEX)
+    out[:-1] = t[1:]
+    return out
+
+
+@dataclasses.dataclass
+class LinearReference:
+    loss: float
+    de: torch.Tensor  # fp32 [N, D]
+    dc: torch.Tensor  # fp32 [V, D]
+
+
+@torch.no_grad()
+def linear_reference(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> LinearReference:
+    """Mean cross entropy of ``e @ c.T`` and its gradients, in fp32 from the given (bf16) inputs."""
+    with _Fp32Matmul():
+        c32 = c.float()
+        valid_all = t != IGNORE_INDEX
+        n_valid = max(int(valid_all.sum()), 1)
+        de = torch.empty(e.shape, device=e.device, dtype=torch.float32)
+        dc = torch.zeros(c.shape, device=c.device, dtype=torch.float32)
+        total = torch.zeros((), device=e.device, dtype=torch.float64)
+        step = _rows_per_chunk(c.shape[0])
+        for s in range(0, e.shape[0], step):
+            e32, tk = e[s : s + step].float(), t[s : s + step]
+            valid = tk != IGNORE_INDEX
+            safe = torch.where(valid, tk, 0)
+            logits = e32 @ c32.T  # [rows, V] fp32
+            lse = torch.logsumexp(logits, -1)
+            tgt = logits.gather(1, safe[:, None])[:, 0]
+            total += torch.where(valid, lse - tgt, 0.0).double().sum()
+            p = (logits - lse[:, None]).exp_()
+            del logits
+            p.scatter_add_(1, safe[:, None], -torch.ones_like(p[:, :1]))
+            p *= valid[:, None].float() / n_valid
+            de[s : s + step] = p @ c32
+            dc.addmm_(p.T, e32)
+            del p
+    return LinearReference(float(total) / n_valid, de, dc)
+
+
+@dataclasses.dataclass
+class LogitsReference:
+    x: torch.Tensor  # the logits (as given, bf16)
+    lse: torch.Tensor  # fp32 [N]
+
+    def loss(self, t: torch.Tensor) -> float:
+        valid = t != IGNORE_INDEX
+        safe = torch.where(valid, t, 0)
+        tgt = self.x.gather(1, safe[:, None])[:, 0].float()
+        tok = torch.where(valid, self.lse - tgt, 0.0).double()
+        return float(tok.sum()) / max(int(valid.sum()), 1)
+
+    @torch.no_grad()
+    def grad_err(self, dx: torch.Tensor, t: torch.Tensor) -> float:
+        """Relative L2 error of dx against d(mean loss)/dx in fp32, built chunk by chunk."""
+        valid_all = t != IGNORE_INDEX
+        n_valid = max(int(valid_all.sum()), 1)
+        num = torch.zeros((), device=dx.device, dtype=torch.float64)
+        den = torch.zeros((), device=dx.device, dtype=torch.float64)
+        step = _rows_per_chunk(self.x.shape[1])
+        for s in range(0, self.x.shape[0], step):
+            tk = t[s : s + step]
+            valid = tk != IGNORE_INDEX
+            p = (self.x[s : s + step].float() - self.lse[s : s + step, None]).exp_()
+            p.scatter_add_(1, torch.where(valid, tk, 0)[:, None], -torch.ones_like(p[:, :1]))
+            p *= valid[:, None].float() / n_valid
+            den += p.double().square().sum()
+            p -= dx[s : s + step].float()
+            num += p.double().square().sum()
+            del p
+        return _ratio(num, den)
+
+
+@torch.no_grad()
+def logits_reference(x: torch.Tensor) -> LogitsReference:
+    step = _rows_per_chunk(x.shape[1])
+    lse = torch.cat([torch.logsumexp(x[s : s + step].float(), -1) for s in range(0, x.shape[0], step)])
+    return LogitsReference(x, lse)
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
+    num, den = float(num.sqrt()), float(den.sqrt())
+    return num / den if den > 0 else num
+
+
+@torch.no_grad()
+def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """||a - ref|| / ||ref||, summed in fp64 over row chunks (no full-size fp64 copy)."""
+    num = torch.zeros((), device=ref.device, dtype=torch.float64)
+    den = torch.zeros((), device=ref.device, dtype=torch.float64)
+    step = max(1, (256 << 20) // (8 * max(ref.shape[-1], 1)))
+    for s in range(0, ref.shape[0], step):
+        r = ref[s : s + step].double()
+        den += r.square().sum()
+        num += (a[s : s + step].double() - r).square().sum()
+    return _ratio(num, den)
+
+
+# --- timing and memory ------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _one_call_ms(fn, setup, device) -> float:
+    args = setup() if setup else ()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*args)
+        end.record()
+        torch.cuda.synchronize(device)
+        del out
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    out = fn(*args)
+    del out
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_ms(fn, setup, device: torch.device, cfg: Config) -> float:
+    """Median ms of ``fn(*setup())``; ``setup`` (may be None) runs outside the timed region.
+
+    CUDA without setup: ``triton.testing.do_bench(return_mode="median")`` (L2 flushed before each
+    call). CUDA with setup: the same protocol written out (a fresh input per call, made before the
+    L2 flush and the start event). CPU: wall clock.
+    """
+    est = max(_one_call_ms(fn, setup, device), 1e-3)
+    rep = max(cfg.rep_ms, cfg.min_reps * est)
+    if device.type != "cuda":
+        times = [_one_call_ms(fn, setup, device) for _ in range(max(3, min(cfg.min_reps, int(rep / est))))]
+        return statistics.median(times)
+    if setup is None:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=cfg.warmup_ms, rep=rep, return_mode="median"))
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    for _ in range(max(1, int(cfg.warmup_ms / est))):
+        _one_call_ms(fn, setup, device)
+    n = max(cfg.min_reps, int(rep / est))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for i in range(n):
+        args = setup()
+        flush.zero_()
+        starts[i].record()
+        out = fn(*args)
+        ends[i].record()
+        del out, args
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def peak_mb(fn, setup, device: torch.device) -> float | None:
+    """Peak allocated MB above what was allocated before the call (inputs, fresh copies included)."""
+    if device.type != "cuda":
+        return None
+    _free(device)
+    args = setup() if setup else ()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn(*args)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out, args
+    return peak / 2**20
+
+
+def copy_bandwidth_gbs(device: torch.device, cfg: Config) -> float | None:
+    """Device-to-device copy bandwidth, GB/s counting bytes read + written."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), None, device, cfg)
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e9
+
+
+# --- one row ----------------------------------------------------------------------------------
+
+
+def _status_of(exc: BaseException) -> str:
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        return "oom"
+    return "error"
+
+
+def _short(exc: BaseException) -> str:
+    msg = f"{type(exc).__name__}: {exc}".strip()
+    msg = re.sub(r"\s+", " ", msg)
+    return msg[:300]
+
+
+def _linear_step(p: Provider, mode: str, e, c, t):
+    loss_fn = p.fn()
+    if mode == FWD:
+        e0, c0 = e.detach(), c.detach()
+
+        def step():
+            with torch.no_grad():
+                return loss_fn(e0, c0, t)
+
+        return step, None
+    eg, cg = e.detach().requires_grad_(), c.detach().requires_grad_()
+
+    def step():
+        loss = loss_fn(eg, cg, t)
+        de, dc = torch.autograd.grad(loss, (eg, cg))
+        return loss.detach(), de, dc
+
+    return step, None
+
+
+def _logits_step(p: Provider, mode: str, x, t):
+    loss_fn = p.fn()
+    if mode == FWD:
+        if p.fresh_input:
+            return (lambda xi: _no_grad(loss_fn, xi, t)), (lambda: (x.detach().clone(),))
+        x0 = x.detach()
+        return (lambda: _no_grad(loss_fn, x0, t)), None
+
+    def step(xi):
+        loss = loss_fn(xi, t)
+        (dx,) = torch.autograd.grad(loss, (xi,))
+        return loss.detach(), dx
+
+    if p.nonleaf_input:
+        leaf = x.detach().requires_grad_()
+
+        def setup():
+            with torch.enable_grad():
+                return (leaf.clone(),)  # a non-leaf: its backward is never run (grad w.r.t. it)
+
+        return step, setup
+    if p.fresh_input:
+        return step, lambda: (x.detach().clone().requires_grad_(),)
+    xg = x.detach().requires_grad_()
+    return (lambda: step(xg)), None
+
+
+def _no_grad(fn, *args):
+    with torch.no_grad():
+        return fn(*args)
+
+
+def run_row(p: Provider, case: dict, inputs: dict, device: torch.device, cfg: Config) -> dict:
+    """Runs one provider on one case; never raises (the failure goes into the row)."""
+    row = dict(case, provider=p.name, status="ok", error=None)
+    why = p.unavailable()
+    if why is None and p.needs_cuda and device.type != "cuda":
+        why = "needs CUDA"
+    if why is not None:
+        row.update(status="unavailable", error=why)
+        return row
+    step = setup = out = None
+    try:
+        if case["level"] == LINEAR:
+            e, c, t = inputs["e"], inputs["c"], inputs["t"]
+            step, setup = _linear_step(p, case["mode"], e, c, t)
+        else:
+            x, t = inputs["x"], inputs["t"]
+            step, setup = _logits_step(p, case["mode"], x, t)
+        # 1) warm-up / compile, and the errors
+        out = step(*(setup() if setup else ()))
+        _sync(device)
+        ref = inputs["ref"]
+        loss = out if case["mode"] == FWD else out[0]
+        row["loss"] = float(loss)
+        if case["level"] == LINEAR:
+            ref_loss = ref.loss
+            if case["mode"] == FWDBWD:
+                row["de_err"] = rel_l2(out[1], ref.de)
+                row["dc_err"] = rel_l2(out[2], ref.dc)
+        else:
+            tt = _shifted_targets(inputs["t"]) if p.shift else inputs["t"]
+            ref_loss = ref.loss(tt)
+            if case["mode"] == FWDBWD:
+                dx = out[1]
+                if p.shift:  # the shift's gradient comes back shaped like the (1, N, V) input
+                    dx = dx.reshape(ref.x.shape)
+                row["dx_err"] = ref.grad_err(dx, tt)
+        row["ref_loss"] = ref_loss
+        row["loss_err"] = abs(row["loss"] - ref_loss) / abs(ref_loss) if ref_loss else abs(row["loss"])
+        out = None
+        # 2) peak memory, 3) time
+        row["peak_mb"] = peak_mb(step, setup, device)
+        row["ms"] = time_ms(step, setup, device, cfg)
+        floor = case.get("floor_ms")
+        if floor:
+            row["x_floor"] = row["ms"] / floor
+        if row["peak_mb"] is not None and case.get("grad_mb"):
+            row["mem_x_grad"] = row["peak_mb"] / case["grad_mb"]
+        if case["level"] == LOGITS and case.get("copy_gbs"):
+            row["bw_frac"] = case["bytes"] / (row["ms"] * 1e-3) / (case["copy_gbs"] * 1e9)
+    except Exception as exc:  # noqa: BLE001 - every failure is a row, the run goes on
+        row.update(status=_status_of(exc), error=_short(exc))
+        if cfg.tag == "debug":
+            traceback.print_exc()
+    finally:
+        out = step = setup = None
+        _free(device)
+    return row
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def _gpu_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def _floor_matmul_ms(e, c, device, cfg: Config) -> float:
+    return time_ms(lambda: e @ c.T, None, device, cfg)
+
+
+def _progress(i: int, total: int, row: dict) -> str:
+    head = f"[{i:>3}/{total}] {row['level']:<6} {row['shape']:<18} {row['regime']:<6} {row['mode']:<7} "
+    head += f"{row['provider']:<20}"
+    if row["status"] != "ok":
+        return head + f" {row['status'].upper()}: {row['error']}"
+    parts = [f"{row['ms']:9.3f} ms"]
+    if row.get("x_floor") is not None:
+        parts.append(f"{row['x_floor']:5.2f}x floor")
+    if row.get("peak_mb") is not None:
+        parts.append(f"{row['peak_mb']:9.1f} MB")
+    parts.append(f"loss_err {row['loss_err']:.1e}")
+    for k in ("de_err", "dc_err", "dx_err"):
+        if k in row:
+            parts.append(f"{k[:2]} {row[k]:.1e}")
+    if row.get("bw_frac") is not None:
+        parts.append(f"bw {100 * row['bw_frac']:.0f}%")
+    return head + " " + "  ".join(parts)
+
+
+def run(cfg: Config) -> dict:
+    """Runs every (level, shape, regime, mode, provider) row of ``cfg``; returns the result dict."""
+    device = torch.device(cfg.device)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    meta = {
+        "date": started.isoformat(timespec="seconds"),
+        "gpu": _gpu_name(device),
+        "device": str(device),
+        "python": sys.version.split()[0],
+        "versions": versions(cfg.providers),
+        "dtype": str(cfg.dtype).replace("torch.", ""),
+        "seed": cfg.seed,
+        "ignore_every": data.IGNORE_EVERY,
+        "timing": {"warmup_ms": cfg.warmup_ms, "rep_ms": cfg.rep_ms, "min_reps": cfg.min_reps,
+                   "return_mode": "median"},
+        "providers": {p.name: p.description for p in cfg.providers},
+        "argv": sys.argv[1:],
+    }  # fmt: skip
+    rows: list[dict] = []
+    want = {lvl: [p for p in cfg.providers if p.level == lvl] for lvl in cfg.levels}
+    cases = [
+        (lvl, shape, regime)
+        for lvl in cfg.levels
+        if want[lvl]
+        for shape in cfg.shapes
+        if not (shape.sweep and lvl == LOGITS)
+        for regime in cfg.regimes
+    ]
+    total = sum(len([p for p in want[lvl] if m in p.modes]) for lvl, _, _ in cases for m in cfg.modes)
+    copy_gbs = copy_bandwidth_gbs(device, cfg) if any(lvl == LOGITS for lvl, _, _ in cases) else None
+    meta["copy_gbs"] = copy_gbs
+    cfg.log(f"# {meta['gpu']}  torch {meta['versions']['torch']}  triton {meta['versions'].get('triton')}")
+    if copy_gbs:
+        cfg.log(f"# device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
+    i = 0
+    for lvl, shape, regime in cases:
+        t0 = time.perf_counter()
+        inputs: dict = {}
+        base = dict(level=lvl, shape=shape.name, N=shape.N, D=shape.D, V=shape.V, regime=regime,
+                    sweep=shape.sweep)  # fmt: skip
+        try:
+            if lvl == LINEAR:
+                e, c, t = data.make_inputs(
+                    shape.N, shape.D, shape.V, regime, dtype=cfg.dtype, device=device, seed=cfg.seed
+                )
+                inputs.update(e=e, c=c, t=t, ref=linear_reference(e, c, t))
+                base["floor_ms"] = _floor_matmul_ms(e, c, device, cfg)
+                base["grad_mb"] = (e.numel() * e.element_size() + c.numel() * c.element_size()) / 2**20
+            else:
+                x, t = data.make_logits(
+                    shape.N, shape.D, shape.V, regime, dtype=cfg.dtype, device=device, seed=cfg.seed
+                )
+                inputs.update(x=x, t=t, ref=logits_reference(x))
+                base["grad_mb"] = x.numel() * x.element_size() / 2**20
+            setup_err = None
+        except Exception as exc:  # noqa: BLE001 - e.g. OOM while building a sweep case's inputs
+            setup_err = exc
+        _sync(device)
+        cfg.log(
+            f"# {lvl} {shape.name} (N={shape.N}, D={shape.D}, V={shape.V}) {regime}: inputs + reference "
+            f"{time.perf_counter() - t0:.1f} s"
+            + (f", floor {base['floor_ms']:.3f} ms" if "floor_ms" in base else "")
+        )
+        for mode in cfg.modes:
+            case = dict(base, mode=mode)
+            if lvl == LOGITS:
+                elt = torch.finfo(cfg.dtype).bits // 8
+                case["bytes"] = (3 if mode == FWDBWD else 1) * shape.N * shape.V * elt
+                case["copy_gbs"] = copy_gbs
+                if copy_gbs:
+                    case["floor_ms"] = case["bytes"] / (copy_gbs * 1e9) * 1e3
+            for p in want[lvl]:
+                if mode not in p.modes:
+                    continue
+                i += 1
+                if setup_err is not None:
+                    row = dict(case, provider=p.name, status=_status_of(setup_err),
+                               error="inputs: " + _short(setup_err))  # fmt: skip
+                else:
+                    row = run_row(p, case, inputs, device, cfg)
+                rows.append(row)
+                cfg.log(_progress(i, total, row))
+        inputs.clear()
+        setup_err = None
+        _free(device)
+    meta["seconds"] = round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1)
+    result = {"meta": meta, "rows": rows}
+    cfg.log("")
+    cfg.log(format_table(result))
+    if cfg.out_dir is not None:
+        paths = save(result, cfg.out_dir, cfg.plots, cfg.tag)
+        for path in paths:
+            cfg.log(f"# wrote {path}")
+    return result
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def format_table(result: dict) -> str:
+    """The rows as a Markdown table (one per level), failures with their message."""
+    out = []
+    for lvl in (LINEAR, LOGITS):
+        rows = [r for r in result["rows"] if r["level"] == lvl]
+        if not rows:
+            continue
+        if lvl == LINEAR:
+            head = ["shape", "data", "mode", "provider", "ms", "floor ms", "x floor", "peak MB", "x grads",
+                    "loss err", "dE err", "dC err", "status"]  # fmt: skip
+        else:
+            head = ["shape", "data", "mode", "provider", "ms", "floor ms", "x floor", "bw %", "peak MB",
+                    "x grad", "loss err", "dX err", "status"]  # fmt: skip
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in rows:
+            ok = r["status"] == "ok"
+            cells = [r["shape"], r["regime"], r["mode"], r["provider"], _fmt(r.get("ms"), ".2f"),
+                     _fmt(r.get("floor_ms"), ".2f"), _fmt(r.get("x_floor"), ".2f")]  # fmt: skip
+            if lvl == LOGITS:
+                cells.append(_fmt(None if r.get("bw_frac") is None else 100 * r["bw_frac"], ".0f"))
+            cells += [
+                _fmt(r.get("peak_mb"), ".0f"),
+                _fmt(r.get("mem_x_grad"), ".2f"),
+                _fmt(r.get("loss_err"), ".1e"),
+            ]
+            if lvl == LINEAR:
+                cells += [_fmt(r.get("de_err"), ".1e"), _fmt(r.get("dc_err"), ".1e")]
+            else:
+                cells.append(_fmt(r.get("dx_err"), ".1e"))
+            cells.append("ok" if ok else f"{r['status']}: {(r.get('error') or '')[:80]}".replace("|", "/"))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    meta = result["meta"]
+    vers = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+    out.append(f"{meta['gpu']}; {vers}; {meta['date']}")
+    if meta.get("copy_gbs"):
+        out.append(f"copy bandwidth {meta['copy_gbs']:.0f} GB/s (read + write)")
+    return "\n".join(out)
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", s).strip("-")[:60]
+
+
+def save(result: dict, out_dir: Path, plots: bool = True, tag: str = "") -> list[Path]:
+    """Writes ``<gpu>_<date>[_tag].json`` (+ PNG plots) under ``out_dir``; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = result["meta"]
+    stamp = datetime.datetime.fromisoformat(meta["date"]).strftime("%Y%m%d-%H%M%S")
+    gpu = meta["gpu"].split(" (")[0]
+    stem = f"{_slug(gpu)}_{stamp}" + (f"_{_slug(tag)}" if tag and tag != "debug" else "")
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    paths = [path]
+    if plots:
+        try:
+            from .plot import plot_result
+
+            paths += plot_result(result, out_dir, stem)
+        except ImportError as exc:  # matplotlib missing: the JSON is the result
+            print(f"# no plots: {exc}")
+    return paths

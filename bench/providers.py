@@ -1,0 +1,240 @@
+"""What the harness compares: cce and every peer a user could pick instead, behind one interface.
+
+A :class:`Provider` computes a mean cross-entropy loss, either from hidden states and the classifier
+weight ("linear" level: ``loss(e, c, t)``) or from existing logits ("logits" level:
+``loss(x, t)``). Peers that are not installed are reported as unavailable rows, and a provider
+that raises (missing kernels, OOM, a compile error) becomes an error row: the harness catches it.
+
+Providers that write into their logits input (Liger's cross entropy, cce with
+``inplace_backward=True``) declare ``fresh_input``: the harness hands them a fresh copy per call,
+made outside the timed region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LINEAR = "linear"
+LOGITS = "logits"
+FWD = "fwd"
+FWDBWD = "fwd+bwd"
+MODES = (FWD, FWDBWD)
+
+
+@dataclasses.dataclass
+class Provider:
+    """One implementation under test.
+
+    ``make()`` is called once per run (imports, torch.compile wrappers) and returns the loss
+    function; an exception there makes every row of this provider an error row.
+    """
+
+    name: str
+    level: str  # LINEAR or LOGITS
+    make: Callable[[], Callable[..., torch.Tensor]]
+    description: str
+    package: str | None = None  # distribution whose version is recorded; None for cce / torch
+    needs_cuda: bool = False
+    fresh_input: bool = False  # overwrites its logits input: a fresh copy per call
+    nonleaf_input: bool = False  # wants the logits as a non-leaf (cce's inplace_backward)
+    shift: bool = False  # computes the causal-shifted loss (logits[:-1] vs targets[1:])
+    modes: tuple[str, ...] = MODES
+    _fn: Callable[..., torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    def unavailable(self) -> str | None:
+        """Why this provider cannot run here (package missing), or None."""
+        if self.package is None:
+            return None
+        try:
+            importlib.metadata.version(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{self.package} is not installed"
+        return None
+
+    def fn(self) -> Callable[..., torch.Tensor]:
+        if self._fn is None:
+            self._fn = self.make()
+        return self._fn
+
+
+# --- linear level: loss(e [N, D], c [V, D], t [N]) --------------------------------------------
+
+
+def _cce(**kw):
+    def make():
+        import cce
+
+        return lambda e, c, t: cce.linear_cross_entropy(e, c, t, **kw)
+
+    return make
+
+
+def _torch_linear(e, c, t):
+    return F.cross_entropy((e @ c.T).float(), t)
+
+
+def _compiled(fn):
+    def make():
+        _raise_recompile_limit()
+        return torch.compile(fn, dynamic=False)
+
+    return make
+
+
+def _raise_recompile_limit() -> None:
+    # Every (shape, mode) is a new specialization of the same code object: the default limit (8)
+    # would silently fall back to eager after a few shapes.
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 256))
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """Mean cross entropy of ``e @ c.T`` over ``chunks`` row chunks, logits upcast per chunk.
+
+    Only one chunk's logits exist at a time, in forward and in backward (which recomputes them):
+    the usual "chunked cross entropy" of fine-tuning libraries, with dC accumulated over chunks
+    in c's dtype (as autograd would when c is used once per chunk).
+    """
+
+    @staticmethod
+    def forward(ctx, e, c, t, chunks, ignore_index):
+        n_valid = (t != ignore_index).sum().clamp_min(1)
+        total = torch.zeros((), device=e.device, dtype=torch.float32)
+        for e_k, t_k in zip(e.chunk(chunks), t.chunk(chunks), strict=True):
+            logits = (e_k @ c.T).float()  # [N / chunks, V]
+            total = total + F.cross_entropy(logits, t_k, ignore_index=ignore_index, reduction="sum")
+            del logits
+        ctx.save_for_backward(e, c, t, n_valid)
+        ctx.chunks, ctx.ignore_index = chunks, ignore_index
+        return total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, c, t, n_valid = ctx.saved_tensors
+        scale = grad / n_valid
+        de = torch.empty_like(e) if ctx.needs_input_grad[0] else None
+        dc = torch.zeros_like(c) if ctx.needs_input_grad[1] else None
+        row = 0
+        for e_k, t_k in zip(e.chunk(ctx.chunks), t.chunk(ctx.chunks), strict=True):
+            p = (e_k @ c.T).float().softmax(-1)  # [N / chunks, V]
+            valid = t_k != ctx.ignore_index
+            p.scatter_add_(1, torch.where(valid, t_k, 0)[:, None], -valid[:, None].float())
+            p *= torch.where(valid, scale, 0.0)[:, None]
+            g = p.to(e.dtype)
+            del p
+            if de is not None:
+                torch.mm(g, c, out=de[row : row + e_k.shape[0]])
+            if dc is not None:
+                dc.addmm_(g.T, e_k)
+            row += e_k.shape[0]
+            del g
+        return de, dc, None, None, None
+
+
+def _chunked8(e, c, t):
+    return _ChunkedCE.apply(e, c, t, 8, -100)
+
+
+def _apple(impl: str):
+    def make():
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda e, c, t: linear_cross_entropy(e, c, t, impl=impl)
+
+    return make
+
+
+def _liger_flce():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    mod = LigerFusedLinearCrossEntropyLoss()
+    return lambda e, c, t: mod(c, e, t)
+
+
+# --- logits level: loss(x [N, V], t [N]) ------------------------------------------------------
+
+
+def _cce_ce(**kw):
+    def make():
+        import cce
+
+        return lambda x, t: cce.cross_entropy(x, t, **kw)
+
+    return make
+
+
+def _torch_ce(x, t):
+    return F.cross_entropy(x.float(), t)
+
+
+def _liger_ce():
+    from liger_kernel.transformers import LigerCrossEntropyLoss
+
+    mod = LigerCrossEntropyLoss()
+    return lambda x, t: mod(x, t)
+
+
+def _crossentropy_triton():
+    from crossentropy_triton import CrossEntropyFunction
+
+    # Its causal shift is built in (and copies logits[:-1]): the problem is (N - 1) rows.
+    return lambda x, t: CrossEntropyFunction.apply(x[None], t[None], -100)
+
+
+def all_providers() -> list[Provider]:
+    """Every provider, in table order; fresh objects (each holds its own compiled functions)."""
+    P = Provider
+    return [
+        P("cce", LINEAR, _cce(), "cce.linear_cross_entropy (defaults: filter_eps='auto')"),
+        P("cce-exact", LINEAR, _cce(filter_eps=None), "cce, filter_eps=None (no gradient filtering)"),
+        P("cce-torch", LINEAR, _cce(impl="torch"), "cce, impl='torch' (chunked PyTorch)"),
+        P("torch", LINEAR, lambda: _torch_linear, "F.cross_entropy((e @ c.T).float(), t), eager"),
+        P("torch-compile", LINEAR, _compiled(_torch_linear), "the same under torch.compile"),
+        P("chunked8", LINEAR, lambda: _chunked8, "8 row chunks, logits upcast per chunk, recomputed in bwd"),
+        P("apple-cce", LINEAR, _apple("cce"), "cut_cross_entropy.linear_cross_entropy, impl='cce'",
+          package="cut-cross-entropy", needs_cuda=True),
+        P("apple-cce-compile", LINEAR, _apple("torch_compile"), "cut_cross_entropy, impl='torch_compile'",
+          package="cut-cross-entropy", needs_cuda=True),
+        P("liger-flce", LINEAR, _liger_flce, "LigerFusedLinearCrossEntropyLoss", package="liger-kernel",
+          needs_cuda=True),
+        P("cce-ce", LOGITS, _cce_ce(), "cce.cross_entropy"),
+        P("cce-ce-inplace", LOGITS, _cce_ce(inplace_backward=True),
+          "cce.cross_entropy, inplace_backward=True", fresh_input=True, nonleaf_input=True, modes=(FWDBWD,)),
+        P("torch-ce", LOGITS, lambda: _torch_ce, "F.cross_entropy(x.float(), t), eager"),
+        P("torch-ce-compile", LOGITS, _compiled(_torch_ce), "the same under torch.compile"),
+        P("liger-ce", LOGITS, _liger_ce, "LigerCrossEntropyLoss (writes the gradient into its input)",
+          package="liger-kernel", needs_cuda=True, fresh_input=True),
+        P("crossentropy-triton", LOGITS, _crossentropy_triton,
+          "crossentropy_triton.CrossEntropyFunction (built-in causal shift)", package="crossentropy-triton",
+          needs_cuda=True, shift=True),
+    ]  # fmt: skip
+
+
+def versions(providers: list[Provider]) -> dict[str, str | None]:
+    """Versions of torch, triton, cce and every peer package (None: not installed)."""
+    out: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for dist in ("triton", "cce", "matplotlib"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    if out["cce"] is None:  # run from a checkout without installing
+        try:
+            out["cce"] = getattr(importlib.import_module("cce"), "__version__", None)
+        except Exception:  # noqa: BLE001 - a broken cce is reported by its rows
+            pass
+    for p in providers:
+        if p.package and p.package not in out:
+            try:
+                out[p.package] = importlib.metadata.version(p.package)
+            except importlib.metadata.PackageNotFoundError:
+                out[p.package] = None
+    return out

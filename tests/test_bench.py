@@ -1,0 +1,170 @@
+"""CPU smoke test of the benchmark harness (bench/): tiny shapes, torch providers only.
+
+Checks the data regimes' definitions, the JSON schema, the fp32 references against autograd, and
+that a failing provider becomes a row with its error while the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bench import data
+from bench.__main__ import build_parser, config_from_args
+from bench.harness import Config, Shape, linear_reference, logits_reference, run
+from bench.providers import FWD, FWDBWD, LINEAR, LOGITS, Provider, all_providers
+
+TORCH_PROVIDERS = ("torch", "chunked8", "torch-ce")
+
+
+def _boom():
+    def loss(*args):
+        raise RuntimeError("planted failure")
+
+    return loss
+
+
+def _oom():
+    def loss(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+
+    return loss
+
+
+def test_regimes_deterministic_and_as_defined():
+    N, D, V = 96, 64, 500
+    for regime in data.REGIMES:
+        a = data.make_inputs(N, D, V, regime, seed=3)
+        b = data.make_inputs(N, D, V, regime, seed=3)
+        c = data.make_inputs(N, D, V, regime, seed=4)
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+        assert not torch.equal(a[0], c[0])
+        e, cw, t = a
+        assert e.shape == (N, D) and cw.shape == (V, D) and t.shape == (N,)
+        assert e.dtype == cw.dtype == torch.bfloat16 and t.dtype == torch.int64
+        assert (t[:: data.IGNORE_EVERY] == data.IGNORE_INDEX).all()
+        valid = t[t != data.IGNORE_INDEX]
+        assert ((valid >= 0) & (valid < V)).all()
+    # zipf: logit_iv = log f_v + 6.5 g_t.g_v, so the target logit sits ~6.5 above its prior log f_t,
+    # and the targets follow f (the most frequent id is drawn most often).
+    e, cw, t = data.zipf_inputs(2000, 512, 300, dtype=torch.float32, seed=0, ignore_every=0)
+    g = torch.Generator().manual_seed(0)
+    logf = data.zipf_log_freq(300, generator=g, device="cpu")
+    logits = e @ cw.T
+    boost = logits.gather(1, t[:, None])[:, 0] - logf[t]
+    assert abs(float(boost.mean()) - data.ZIPF_TARGET_SCALE) < 0.3
+    assert int(torch.bincount(t, minlength=300).argmax()) == int(logf.argmax())
+    # random: logits ~ N(0, 1)
+    e, cw, _ = data.random_inputs(512, 256, 400, dtype=torch.float32, seed=0)
+    assert abs(float((e @ cw.T).std()) - 1.0) < 0.05
+
+
+def test_make_logits_matches_inputs():
+    x, t = data.make_logits(40, 32, 70, "zipf", seed=1, dtype=torch.float32)
+    e, c, t2 = data.make_inputs(40, 32, 70, "zipf", seed=1, dtype=torch.float32)
+    assert torch.equal(t, t2)
+    torch.testing.assert_close(x, e @ c.T)
+
+
+def test_references_match_autograd():
+    e, c, t = data.make_inputs(50, 24, 90, "zipf", seed=2, dtype=torch.float32)
+    ref = linear_reference(e, c, t)
+    eg, cg = e.clone().requires_grad_(), c.clone().requires_grad_()
+    loss = F.cross_entropy(eg @ cg.T, t)
+    de, dc = torch.autograd.grad(loss, (eg, cg))
+    # fp32 both ways, same formula: differences are summation-order rounding only.
+    assert math.isclose(ref.loss, float(loss.detach()), rel_tol=1e-5)
+    torch.testing.assert_close(ref.de, de, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ref.dc, dc, rtol=1e-4, atol=1e-6)
+    x = (e @ c.T).bfloat16()
+    lref = logits_reference(x)
+    xg = x.float().requires_grad_()
+    loss = F.cross_entropy(xg, t)
+    (dx,) = torch.autograd.grad(loss, xg)
+    assert math.isclose(lref.loss(t), float(loss.detach()), rel_tol=1e-5)
+    assert lref.grad_err(dx, t) < 1e-5
+    assert lref.grad_err(torch.zeros_like(dx), t) == pytest.approx(1.0)
+
+
+def _names(ps):
+    return [p.name for p in ps]
+
+
+def test_cli_selects_shapes_and_providers():
+    args = build_parser().parse_args(
+        ["--quick", "--providers", "torch,cce", "--data", "zipf", "--device", "cpu"]
+    )
+    cfg = config_from_args(args)
+    assert [s.name for s in cfg.shapes] == ["gemma2-2b", "llama3-8b"]
+    assert _names(cfg.providers) == ["torch", "cce"] and cfg.regimes == ("zipf",)
+    cfg = config_from_args(build_parser().parse_args(["--sweep", "--device", "cpu"]))
+    assert [s.N for s in cfg.shapes] == list(data.SWEEP_N) and cfg.levels == (LINEAR,)
+    assert all((s.D, s.V) == data.SHAPES[data.SWEEP_BASE][1:] for s in cfg.shapes)
+    cfg = config_from_args(build_parser().parse_args(["--shapes", "8x4x16,gpt2", "--device", "cpu"]))
+    assert [(s.N, s.D, s.V) for s in cfg.shapes] == [(8, 4, 16), data.SHAPES["gpt2"]]
+    with pytest.raises(SystemExit):
+        config_from_args(build_parser().parse_args(["--providers", "nope"]))
+    names = _names(all_providers())
+    required = [
+        "cce",
+        "cce-exact",
+        "cce-torch",
+        "torch",
+        "torch-compile",
+        "chunked8",
+        "apple-cce",
+        "liger-flce",
+    ]
+    required += ["cce-ce", "torch-ce", "torch-ce-compile", "liger-ce", "crossentropy-triton"]
+    assert set(required) <= set(names)
+
+
+def test_smoke_run_schema_and_failures(tmp_path):
+    # The failing providers come first: the ones after them must still run.
+    providers = [
+        Provider("boom", LINEAR, _boom, "raises"),
+        Provider("oom", LOGITS, _oom, "raises an OOM"),
+        Provider("absent", LINEAR, _boom, "not installed", package="surely-not-installed-pkg"),
+    ]
+    providers += [p for p in all_providers() if p.name in TORCH_PROVIDERS]
+    cfg = Config(
+        shapes=[Shape("tiny", 40, 16, 70)], providers=providers, device="cpu", rep_ms=1.0, min_reps=2,
+        out_dir=tmp_path, plots=True, log=lambda s: None,
+    )  # fmt: skip
+    result = run(cfg)
+    saved = sorted(tmp_path.glob("*.json"))
+    assert len(saved) == 1 and saved[0].name.startswith("cpu_")
+    assert json.loads(saved[0].read_text()) == json.loads(json.dumps(result, default=str))
+    assert len(list(tmp_path.glob("*.png"))) >= 1
+    meta = result["meta"]
+    for key in ("gpu", "date", "versions", "dtype", "timing", "providers"):
+        assert key in meta
+    assert meta["versions"]["torch"] == torch.__version__
+    rows = result["rows"]
+    # 2 regimes x 2 modes x (4 linear + 2 logits providers)
+    assert len(rows) == 2 * 2 * 6
+    for r in rows:
+        for key in ("level", "shape", "N", "D", "V", "regime", "mode", "provider", "status", "error"):
+            assert key in r
+        if r["provider"] in TORCH_PROVIDERS:
+            assert r["status"] == "ok", r
+            assert r["ms"] > 0 and r["loss_err"] < 1e-2
+            assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-2)
+            if r["level"] == LINEAR:
+                assert r["floor_ms"] > 0 and r["x_floor"] > 0
+                if r["mode"] == FWDBWD:
+                    assert r["de_err"] < 2e-2 and r["dc_err"] < 2e-2  # bf16 gradients: ~1e-2 at most
+            elif r["mode"] == FWDBWD:
+                assert r["dx_err"] < 2e-2
+            if r["mode"] == FWD:
+                assert "de_err" not in r and "dx_err" not in r
+    by = {(r["provider"], r["regime"], r["mode"]): r for r in rows}
+    assert by[("boom", "zipf", FWDBWD)]["status"] == "error"
+    assert "planted failure" in by[("boom", "zipf", FWDBWD)]["error"]
+    assert by[("oom", "random", FWD)]["status"] == "oom"
+    assert by[("absent", "random", FWD)]["status"] == "unavailable"
