@@ -48,11 +48,16 @@ def check_logits_inputs(
 def _check_inplace(logits: torch.Tensor, inplace_backward: bool) -> None:
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
-    if inplace_backward and logits.requires_grad and logits.is_leaf:
+    if not (inplace_backward and logits.requires_grad):
+        return
+    base = logits
+    while base._base is not None:  # a view of a leaf shares the leaf's storage too
+        base = base._base
+    if base.is_leaf:
         raise ValueError(
             "inplace_backward=True overwrites the logits with their gradient, but these logits "
-            f"(shape {tuple(logits.shape)}) are a leaf tensor that requires grad: its .grad would "
-            "alias its data. Use it on intermediate logits (e.g. the lm_head output), or set "
+            f"(shape {tuple(logits.shape)}) are a leaf tensor that requires grad (or a view of one): "
+            "its .grad would alias its data. Use it on intermediate logits (e.g. the lm_head output), or set "
             "inplace_backward=False"
         )
 
