@@ -86,12 +86,12 @@ def skip_rate(e, c, t, filter_eps, sort_vocab: bool) -> float:
     from cce.triton_impl import linear_ce_triton_fwd, triton_backward
 
     eps = CCEOptions(filter_eps=filter_eps).resolved_filter_eps(e.dtype)
-    loss, lse, tgt = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)
+    loss, lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)
     valid = t != -100
     w_t = _math.target_weight(None, t, valid)
     g = _math.row_upstream(torch.ones((), device=e.device), w_t, "mean", t.numel())
     *_, out = triton_backward(
-        e, c, None, None, None, t, lse, tgt, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False,
+        e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False,
         sort_vocab=sort_vocab, record_skip=True,
     )  # fmt: skip
     sk = out.skip

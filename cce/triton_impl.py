@@ -2,12 +2,12 @@
 
 Forward: the kernel reduces each valid token's logits to (lse, target logit[, weighted logit
 sum]); the loss is assembled from those by cce/_math.py. Saved for backward: e, c, bias, weight,
-rows, targets (the inputs) and O(N) statistics (lse, target logit).
+rows, targets (the inputs) and lse (O(N)).
 
 Backward: _math.coefficients turns the upstream gradient into (alpha, beta, gamma) per row; the
-kernel adds the dense part alpha p (times softcap') of dZ; the sparse target term -beta [v == t]
-and, without softcap, the rank-1 smoothing term -gamma w are added exactly here, as are the
-rank-1 corrections of the tiles the filter skipped (docs/design.md has the error bound).
+kernel forms dZ = (alpha p - beta [v == t]) * softcap' per tile and adds its products; without
+softcap the rank-1 smoothing term -gamma w is added exactly here, as are the rank-1 corrections
+of the tiles the filter skipped (docs/design.md has the error bound).
 
 Nothing here synchronises with the host: the valid-first row order and its count stay on the
 device, so a training step can be captured in a CUDA graph. Both entry points are
@@ -69,8 +69,8 @@ def linear_ce_triton_fwd(
     label_smoothing: float,
     z_loss: float,
     filter_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lse, target logit); lse and the target logit are fp32 (N,), 0 at ignored rows."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse); lse is fp32 (N,), 0 at ignored rows."""
     e2d, c, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
     V = c.shape[0]
     k = _math.LossConsts(label_smoothing, z_loss, V)
@@ -84,7 +84,7 @@ def linear_ce_triton_fwd(
     W = _math.weight_total(weight, V, e2d.device)
     loss_tok = _math.token_loss(lse, tgt, ssum, w_t, W, r.valid, k)
     loss = _math.reduce_loss(loss_tok, w_t, reduction)
-    return loss, torch.where(r.valid, lse, 0.0), torch.where(r.valid, tgt, 0.0)
+    return loss, torch.where(r.valid, lse, 0.0)
 
 
 @linear_ce_triton_fwd.register_fake
@@ -93,7 +93,7 @@ def _(
 ):
     N = targets.shape[0]
     loss = e2d.new_empty((N,) if reduction == "none" else (), dtype=torch.float32)
-    return loss, e2d.new_empty((N,), dtype=torch.float32), e2d.new_empty((N,), dtype=torch.float32)
+    return loss, e2d.new_empty((N,), dtype=torch.float32)
 
 
 def _row_chunks(n: int):
@@ -148,7 +148,7 @@ def _block_means_e(e2d: torch.Tensor, r: _Rows, BN: int) -> torch.Tensor:
 
 
 def triton_backward(
-    e2d, c, bias, weight, rows, targets, lse, tgt, g, h, ignore_index, softcap, label_smoothing, z_loss,
+    e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, need_dbias, *, sort_vocab: bool = True, record_skip: bool = False,
 ):  # fmt: skip
     """(dE, dC, dbias) in fp32 (None where not needed) and the kernel's output (skip flags)."""
@@ -165,10 +165,10 @@ def triton_backward(
     # is off, as in impl="torch".
     eps = 0.0 if fold else float(filter_eps)
     perm = vocab_order(e2d, c, bias, r) if (eps > 0 and sort_vocab) else None
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     out = K.linear_ce_backward(
-        e2d, c, bias, weight, r.erow_s, r.n_valid, lse.index_select(0, r.perm).contiguous(),
-        alpha.index_select(0, r.perm).contiguous(),
-        gamma.index_select(0, r.perm).contiguous() if fold else None,
+        e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta),
+        srt(gamma) if fold else None,
         perm, softcap, eps, need_de, need_dc, need_dbias, record_skip,
     )  # fmt: skip
     dE, dC, db = out.dE, out.dC, out.dbias
@@ -179,19 +179,6 @@ def triton_backward(
             dE.index_add_(0, r.erow_s[s:t], out.R[s:t] @ Cm)
     if out.CSK is not None:
         dC.addmm_(out.CSK.T, _block_means_e(e2d, r, out.BLOCK_N))
-    # Target term -beta_i [v == t_i] (times softcap'(z_it) = 1 - (L_it / softcap)^2), exact.
-    bt = beta
-    if softcap > 0:
-        bt = beta * (1.0 - (tgt / softcap).square())
-    if db is not None:
-        db.index_add_(0, r.safe_t, -bt)
-    if dE is not None or dC is not None:
-        for s, t in _row_chunks(r.N):
-            ts, es, b_ = r.safe_t[s:t], r.erow[s:t], bt[s:t, None]
-            if dE is not None:
-                dE.index_add_(0, es, -b_ * c.index_select(0, ts).float())
-            if dC is not None:
-                dC.index_add_(0, ts, -b_ * e2d.index_select(0, es).float())
     # Smoothing without softcap: -gamma_i w_v is rank-1, added exactly.
     if k.smoothing and not fold:
         w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
@@ -219,7 +206,6 @@ def linear_ce_triton_bwd(
     rows: torch.Tensor | None,
     targets: torch.Tensor,
     lse: torch.Tensor,
-    tgt: torch.Tensor,
     g: torch.Tensor,
     h: torch.Tensor | None,
     ignore_index: int,
@@ -235,7 +221,7 @@ def linear_ce_triton_bwd(
     e_dtype, c_dtype = e2d.dtype, c.dtype
     e2d_k, c_k, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
     dE, dC, db, _ = triton_backward(
-        e2d_k, c_k, bias, weight, rows, targets, lse, tgt, g, h, ignore_index, softcap, label_smoothing,
+        e2d_k, c_k, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing,
         z_loss, filter_eps, need_de, need_dc, need_dbias,
     )  # fmt: skip
     return (
@@ -246,7 +232,7 @@ def linear_ce_triton_bwd(
 
 
 @linear_ce_triton_bwd.register_fake
-def _(e2d, c, bias, weight, rows, targets, lse, tgt, g, h, ignore_index, softcap, label_smoothing, z_loss,
+def _(e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
       filter_eps, need_de, need_dc, need_dbias):  # fmt: skip
     dE = e2d.new_empty(e2d.shape if need_de else (0,))
     dC = c.new_empty(c.shape if need_dc else (0,))
@@ -256,15 +242,14 @@ def _(e2d, c, bias, weight, rows, targets, lse, tgt, g, h, ignore_index, softcap
 
 def _setup_context(ctx, inputs, output):
     (e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, ls, z_loss, eps) = inputs
-    _loss, lse, tgt = output
-    ctx.mark_non_differentiable(tgt)
+    _loss, lse = output
     ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, eps)
-    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse, tgt)
+    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse)
 
 
-def _backward(ctx, g_loss, g_lse, _g_tgt):
+def _backward(ctx, g_loss, g_lse):
     ignore_index, reduction, softcap, ls, z_loss, eps = ctx.opts
-    e2d, c, bias, weight, rows, targets, lse, tgt = ctx.saved_tensors
+    e2d, c, bias, weight, rows, targets, lse = ctx.saved_tensors
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
     nothing = (None,) * 9
@@ -278,7 +263,7 @@ def _backward(ctx, g_loss, g_lse, _g_tgt):
     else:
         g = _math.row_upstream(g_loss, w_t, reduction, N).contiguous()
     dE, dC, db = linear_ce_triton_bwd(
-        e2d, c, bias, weight, rows, targets, lse, tgt, g, g_lse, ignore_index, softcap, ls, z_loss, eps,
+        e2d, c, bias, weight, rows, targets, lse, g, g_lse, ignore_index, softcap, ls, z_loss, eps,
         need_de, need_dc, need_db,
     )  # fmt: skip
     return (dE if need_de else None, dC if need_dc else None, db if need_db else None, *nothing)
@@ -309,8 +294,7 @@ def linear_ce_triton(
     need_de / need_dc / need_dbias are implied by autograd (ctx.needs_input_grad) and accepted for
     the common signature only.
     """
-    loss, lse, _ = linear_ce_triton_fwd(
+    return linear_ce_triton_fwd(
         e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
         filter_eps,
     )  # fmt: skip
-    return loss, lse
