@@ -137,9 +137,7 @@ class _Local:
 def _torch_problem(e2d, c, bias, lc: _Local):
     from .torch_impl import _Problem
 
-    # Rows whose target lives on another rank still count (they need lse): give _Problem a
-    # stand-in target 0 for them and reserve -1 (never a local id) for ignored rows.
-    t = torch.where(lc.valid, lc.local_t.clamp(min=0), torch.full_like(lc.local_t, -1))
+    t = _local_problem_targets(lc)
     ls = 1.0 if lc.smoothing else 0.0  # only a switch here: the coefficients come from outside
     return _Problem(e2d, c, bias, lc.weight, lc.rows, t, -1, lc.softcap, ls, 0.0, lc.filter_eps)
 
@@ -166,7 +164,7 @@ def torch_local_stats(e2d, c, bias, lc: _Local):
     return lse, tgt, ssum
 
 
-def torch_local_grads(e2d, c, bias, lc: _Local, lse, alpha, beta, gamma, need_de, need_dc, need_db):
+def torch_local_grads(e2d, c, bias, lc: _Local, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db):
     """(dE, dC, dbias) of this block (None where not needed) for
     dZ = (alpha p - beta [v == t] - gamma w) softcap'(z), p = exp(L - lse) with this block's lse
     (impl="torch"). Exact: the CPU tile filter of torch_impl is not used here."""
@@ -205,30 +203,99 @@ def torch_local_grads(e2d, c, bias, lc: _Local, lse, alpha, beta, gamma, need_de
     return dE, dC, db
 
 
-def _triton_backend():
-    """(stats, grads) of impl="triton", with the signatures of torch_local_stats/_grads."""
-    try:
-        from . import triton_impl
-    except ImportError as err:
-        raise NotImplementedError(
-            "vocabulary-parallel impl='triton' needs cce.triton_impl, which failed to import: "
-            f"{err}; use impl='torch'"
-        ) from err
-    stats = getattr(triton_impl, "triton_local_stats", None)
-    grads = getattr(triton_impl, "triton_local_grads", None)
-    if stats is None or grads is None:
-        raise NotImplementedError(
-            "vocabulary-parallel impl='triton' needs cce.triton_impl.triton_local_stats and "
-            "triton_local_grads (per-block statistics and a backward taking per-row "
-            "coefficients), which this version does not provide; use impl='torch'"
-        )
-    return stats, grads
+def triton_local_stats(e2d, c, bias, lc: _Local):
+    """(lse, tgt, ssum) of this block per row, fp32 (impl="triton"): the forward launcher of
+    cce/kernels/linear_ce.py on the local targets (a stand-in 0 where the target lives on
+    another rank, masked out below), in cce.triton_impl's valid-first row order."""
+    from .kernels import linear_ce as K
+    from .triton_impl import _kernel_dtype_inputs, _Rows
+
+    t = _local_problem_targets(lc)
+    e2d_k, c_k, bias_k, weight_k = _kernel_dtype_inputs(e2d, c, bias, lc.weight)
+    r = _Rows(t, lc.rows, -1)
+    st = K.linear_ce_forward(
+        e2d_k, c_k, bias_k, weight_k, r.erow_s, r.safe_t.index_select(0, r.perm), r.n_valid,
+        lc.softcap, lc.smoothing,
+    )  # fmt: skip
+    lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
+    ssum = r.unsort(st.ssum) if lc.smoothing else None
+    tgt = torch.where(lc.local_t >= 0, tgt, 0.0)
+    return lse, tgt, ssum
+
+
+def triton_local_grads(e2d, c, bias, lc: _Local, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db):
+    """(dE, dC, dbias) in fp32 for dZ = (alpha p - beta [v == t] - gamma w) softcap'(z)
+    (impl="triton": the filtered kernel backward of cce.triton_impl).
+
+    Uses ``triton_impl.triton_backward_coeffs`` (per-row coefficients in) when it exists.
+    Otherwise ``triton_impl.triton_backward``, which takes an upstream gradient (g, h) and forms
+    the coefficients by _math.coefficients: with label_smoothing = z_loss = 0 and no class
+    weights those are alpha = g + h, beta = g, so g = beta, h = alpha - beta give any
+    (alpha, beta), the target term staying inside the kernel's tiles. The smoothing term
+    -gamma w is then added here: exactly as a rank-1 term without softcap (as triton_backward
+    does); with softcap it is folded into the tiles (label_smoothing = 1 makes beta = 0 there)
+    and the target term is added outside the tiles in fp32.
+    """
+    from . import triton_impl as TI
+
+    t = _local_problem_targets(lc)
+    e2d_k, c_k, bias_k, weight_k = TI._kernel_dtype_inputs(e2d, c, bias, lc.weight)
+    alpha, beta, lse, tgt = alpha.float(), beta.float(), lse.float(), tgt.float()
+    gamma = None if gamma is None else gamma.float()
+    coeffs = getattr(TI, "triton_backward_coeffs", None)
+    if coeffs is not None:
+        return coeffs(
+            e2d_k, c_k, bias_k, weight_k, lc.rows, t, lse, alpha, beta, gamma, -1, lc.softcap,
+            lc.filter_eps, need_de, need_dc, need_db,
+        )  # fmt: skip
+    V_local = c.shape[0]
+    fold = gamma is not None and lc.softcap > 0
+    if fold:
+        W = float(V_local) if weight_k is None else weight_k.float().sum()
+        g, h, ls, w_in = gamma * V_local, alpha - gamma * W, 1.0, weight_k
+    else:
+        g, h, ls, w_in = beta, alpha - beta, 0.0, None
+    dE, dC, db, _ = TI.triton_backward(
+        e2d_k, c_k, bias_k, w_in, lc.rows, t, lse, g, h, -1, lc.softcap, ls, 0.0, lc.filter_eps,
+        need_de, need_dc, need_db,
+    )  # fmt: skip
+    erow = lc.rows if lc.rows is not None else torch.arange(t.numel(), device=t.device)
+    safe_t = t.clamp(min=0)
+    if fold:  # target term outside the tiles
+        bt = beta * (1.0 - (tgt / lc.softcap).square())  # softcap'(z_t) from the capped logit
+        if db is not None:
+            db.index_add_(0, safe_t, -bt)
+        for s in range(0, t.numel(), 8192):  # bounded [rows, D] fp32 temporaries
+            ts, es, b_ = safe_t[s : s + 8192], erow[s : s + 8192], bt[s : s + 8192, None]
+            if dE is not None:
+                dE.index_add_(0, es, -b_ * c_k.index_select(0, ts).float())
+            if dC is not None:
+                dC.index_add_(0, ts, -b_ * e2d_k.index_select(0, es).float())
+    elif gamma is not None:  # rank-1 smoothing term, exact
+        w = torch.ones(V_local, device=lse.device) if weight_k is None else weight_k.float()
+        if db is not None:
+            db.sub_(w * gamma.sum())
+        if dE is not None:
+            dE.index_add_(0, erow, -gamma[:, None] * (w @ c_k.float())[None, :])
+        if dC is not None:
+            ge = torch.zeros(c_k.shape[1], device=lse.device)
+            for s in range(0, t.numel(), 8192):
+                ge += gamma[s : s + 8192] @ e2d_k.index_select(0, erow[s : s + 8192]).float()
+            dC.addr_(w, ge, alpha=-1.0)
+    return dE, dC, db
+
+
+def _local_problem_targets(lc: _Local) -> torch.Tensor:
+    """Local targets for a one-block problem with ignore_index=-1: -1 at ignored rows, the local
+    id in the block, a stand-in 0 for rows whose target lives on another rank (they still need
+    lse; their target coefficient is 0)."""
+    return torch.where(lc.valid, lc.local_t.clamp(min=0), torch.full_like(lc.local_t, -1))
 
 
 def _backend(impl: str):
     if impl == "torch":
         return torch_local_stats, torch_local_grads
-    return _triton_backend()
+    return triton_local_stats, triton_local_grads
 
 
 class _LocalStats(torch.autograd.Function):
@@ -239,14 +306,14 @@ class _LocalStats(torch.autograd.Function):
         stats_fn, _ = _backend(impl)
         lse, tgt, ssum = stats_fn(e2d, c, bias, lc)
         ctx.lc, ctx.impl = lc, impl
-        ctx.save_for_backward(e2d, c, bias, lse)
+        ctx.save_for_backward(e2d, c, bias, lse, tgt)
         if ssum is None:
             ssum = lse.new_zeros(0)
         return lse, tgt, ssum
 
     @staticmethod
     def backward(ctx, g_lse, g_tgt, g_ssum):
-        e2d, c, bias, lse = ctx.saved_tensors
+        e2d, c, bias, lse, tgt = ctx.saved_tensors
         lc: _Local = ctx.lc
         need_de, need_dc, need_db = ctx.needs_input_grad[:3]
         need_db = need_db and bias is not None
@@ -257,7 +324,7 @@ class _LocalStats(torch.autograd.Function):
         alpha = torch.where(lc.valid, g_lse.to(lse.dtype), zero)
         beta = torch.where(lc.valid & (lc.local_t >= 0), -g_tgt.to(lse.dtype), zero)
         gamma = torch.where(lc.valid, -g_ssum.to(lse.dtype), zero) if lc.smoothing else None
-        dE, dC, db = grads_fn(e2d, c, bias, lc, lse, alpha, beta, gamma, need_de, need_dc, need_db)
+        dE, dC, db = grads_fn(e2d, c, bias, lc, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db)
         return (
             dE.to(e2d.dtype) if need_de else None,
             dC.to(c.dtype) if need_dc else None,
