@@ -133,7 +133,7 @@ def _fwd_kernel(
         if HAS_SMOOTH:
             if HAS_WEIGHT:
                 w = tl.load(W + offs_v, mask=col_mask, other=0.0).to(tl.float32)
-                ssum += tl.sum(tl.where(col_mask[None, :], L * w[None, :], 0.0), axis=1)
+                ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0) * w[None, :], axis=1)
             else:
                 ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
         # Every split's first tile has a column < V (the launcher sizes the splits so), hence m

@@ -1,0 +1,233 @@
+"""impl="triton" kernels against the oracle, under the Triton interpreter on CPU (or on a GPU).
+
+Shapes are small (interpreter speed) but chosen so that every edge shows: V and D not multiples
+of the blocks (interpreter blocks: BLOCK_N=16, BLOCK_V=32, BLOCK_D=32), V below one block, several
+D chunks, one token, all tokens ignored, several vocabulary splits in the forward. fp32 and fp16
+only: bf16 dot / arithmetic is wrong in the interpreter.
+
+Tolerances. The oracle is float64 on the same (rounded) inputs. fp32: the kernels accumulate in
+fp32 (K <= 96 products per logit), so logits, lse and gradients carry ~1e-7 relative error;
+2e-5 leaves room for the sums over V and the accumulation of dC over tokens. fp16: the softmax
+gradient tile is rounded to fp16 (2^-11 relative) before the gradient matmuls and the gradients
+are returned in fp16 (2^-11), so 4e-3 relative L2; the loss is fp32-accumulated: 1e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.data import zipf_inputs
+from cce import linear_cross_entropy
+from tests.helpers import compare_with_reference, make_linear_inputs, rel_err
+
+triton = pytest.importorskip("triton")
+
+TOL = {torch.float32: (1e-5, 2e-5), torch.float16: (1e-5, 4e-3)}  # (loss/lse, grads)
+
+
+def _triton(*a, **k):
+    return linear_cross_entropy(*a, impl="triton", **k)
+
+
+def _check(got, ref, dtype):
+    tl, tg = TOL[dtype]
+    (loss, lse, grads), (rloss, rlse, rgrads) = got, ref
+    assert loss.dtype == torch.float32 and loss.shape == rloss.shape
+    assert torch.isfinite(loss).all()
+    assert rel_err(loss, rloss) <= tl, rel_err(loss, rloss)
+    if rlse is not None:
+        assert rel_err(lse, rlse) <= tl
+    assert len(grads) == len(rgrads)
+    for g, r in zip(grads, rgrads, strict=True):
+        if r is None:
+            assert g is None or (g == 0).all()
+            continue
+        assert g is not None and torch.isfinite(g).all()
+        assert rel_err(g, r) <= tg, rel_err(g, r)
+
+
+OPTIONS = [
+    {},
+    {"bias": True},
+    {"softcap": 2.5},
+    {"bias": True, "softcap": 4.0},
+    {"label_smoothing": 0.1},
+    {"label_smoothing": 0.2, "softcap": 3.0},
+    {"label_smoothing": 0.1, "weight": True},
+    {"weight": True, "reduction": "mean"},
+    {"z_loss": 1e-2},
+    {"return_lse": True},
+    {"return_lse": True, "reduction": "none", "z_loss": 1e-3},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"shift": True},
+    {"shift": True, "bias": True, "label_smoothing": 0.05, "softcap": 5.0, "weight": True},
+    {"ignore_index": 3},
+]
+
+
+def _inputs(lead, D, V, dtype, opts, seed, ignore_frac=0.15, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    ii = opts.get("ignore_index", -100)
+    e, c, t, b = make_linear_inputs(
+        lead, D, V, dtype, bias=opts.pop("bias", False), ignore_frac=ignore_frac, ignore_index=ii,
+        scale=scale, generator=g,
+    )  # fmt: skip
+    if opts.pop("weight", False):
+        opts["weight"] = (torch.rand(V, generator=g) + 0.5).to(dtype)
+    return e, c, t, b, opts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_options_vs_oracle(opts, dtype):
+    opts = dict(opts)
+    e, c, t, b, opts = _inputs((2, 23), 70, 150, dtype, opts, seed=len(str(opts)))
+    got, ref = compare_with_reference(_triton, e, c, t, b, seed=1, filter_eps=None, **opts)
+    _check(got, ref, dtype)
+
+
+# (lead shape, D, V): V and D off the block grid, V < BLOCK_V, several D chunks, a single token.
+SHAPES = [((1,), 40, 50), ((37,), 96, 300), ((64,), 33, 20), ((3, 7), 17, 129)]
+
+
+@pytest.mark.parametrize("lead,D,V", SHAPES)
+def test_shapes(lead, D, V):
+    e, c, t, b, opts = _inputs(lead, D, V, torch.float32, {"bias": True}, seed=D + V, ignore_frac=0.1)
+    got, ref = compare_with_reference(_triton, e, c, t, b, seed=2, filter_eps=None, **opts)
+    _check(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(reduction):
+    e, c, t, b, _ = _inputs((20,), 40, 70, torch.float32, {"bias": True}, seed=5)
+    t = torch.full_like(t, -100)
+    loss = _triton(e, c, t, b, reduction=reduction)
+    assert (loss == 0).all()
+    loss.sum().backward()
+    for x in (e, c, b):
+        assert x.grad is not None and (x.grad == 0).all()
+
+
+@pytest.mark.parametrize("which", ["e", "c", "bias"])
+def test_partial_requires_grad(which):
+    """c frozen (LoRA), e frozen, or only the bias trained: the others get no gradient."""
+    e, c, t, b, _ = _inputs((30,), 40, 100, torch.float32, {"bias": True}, seed=6)
+    for name, x in (("e", e), ("c", c), ("bias", b)):
+        x.requires_grad_(name == which)
+    got, ref = compare_with_reference(_triton, e, c, t, b, seed=3, filter_eps=None)
+    _check(got, ref, torch.float32)
+
+
+def test_no_grad_forward():
+    e, c, t, b, _ = _inputs((30,), 40, 100, torch.float32, {}, seed=7)
+    with torch.no_grad():
+        loss = _triton(e, c, t)
+    ref = linear_cross_entropy(e.detach(), c.detach(), t, impl="torch")
+    assert rel_err(loss, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_default_filter_close_to_exact(dtype):
+    """filter_eps="auto" on LM-like data stays within the exact path's tolerance."""
+    e, c, t = zipf_inputs(48, 64, 400, dtype=dtype, seed=8)
+    e.requires_grad_()
+    c.requires_grad_()
+    got, ref = compare_with_reference(_triton, e, c, t, None, seed=4)
+    _check(got, ref, dtype)
+
+
+def _filter_bound(e, c, t, eps, BN, BV, skip, perm):
+    """Stated bound of the filter's gradient error (docs/design.md), in float64.
+
+    For a skipped tile T (rows of block b) the correction replaces sum_{v in T} dZ_iv c_v by
+    (sum_{v in T} dZ_iv) cbar_T, so the dE error of row i is at most
+    sum_{skipped T} sum_{v in T} |dZ_iv| ||c_v - cbar_T||, and symmetrically for dC.
+    """
+    valid = t != -100
+    n = valid.sum()
+    L = e.double() @ c.double().T
+    P = torch.softmax(L, 1)
+    dZ = P * (valid.double() / n)[:, None]  # alpha_i p_iv, "mean" reduction, unit upstream
+    order = torch.argsort((~valid).int(), stable=True)
+    dZs = dZ[order]
+    es = e.double()[order]
+    cs = c.double()[perm] if perm is not None else c.double()
+    dZs = dZs[:, perm] if perm is not None else dZs
+    nb, nt = skip.shape
+    bound_e = torch.zeros(len(t), dtype=torch.float64)
+    bound_c = torch.zeros(c.shape[0], dtype=torch.float64)
+    for bi in range(nb):
+        rows = slice(bi * BN, min((bi + 1) * BN, len(t)))
+        vrow = valid[order][rows].double()
+        ebar = (es[rows] * vrow[:, None]).sum(0) / vrow.sum().clamp(min=1)
+        for ti in range(nt):
+            if skip[bi, ti] != 1:
+                continue
+            cols = slice(ti * BV, min((ti + 1) * BV, c.shape[0]))
+            cbar = cs[cols].mean(0)
+            A = dZs[rows, cols].abs()
+            bound_e[rows] += A @ (cs[cols] - cbar).norm(dim=1)
+            bound_c[cols] += A.T @ ((es[rows] - ebar).norm(dim=1) * vrow)
+    return bound_e, bound_c, order
+
+
+def test_filter_error_within_stated_bound():
+    """With a coarse threshold most tiles are skipped; the corrected error obeys the bound."""
+    from cce import _math
+    from cce.kernels.linear_ce import backward_blocks
+    from cce.triton_impl import _Rows, linear_ce_triton_fwd, triton_backward, vocab_order
+
+    e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
+    eps = 2e-3
+    lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)[1]
+    valid = t != -100
+    g = _math.row_upstream(torch.ones(()), _math.target_weight(None, t, valid), "mean", len(t))
+    dE, dC, _, out = triton_backward(
+        e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False, record_skip=True
+    )
+    dE0, dC0, _, _ = triton_backward(
+        e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, 0.0, True, True, False
+    )
+    frac = float((out.skip == 1).sum() / (out.skip >= 0).sum())
+    assert frac > 0.3, frac  # the test must exercise the correction
+    BN, BV = backward_blocks(e.dtype)
+    perm = vocab_order(e, c, None, _Rows(t, None, -100))
+    be, bc, order = _filter_bound(e, c, t, eps, BN, BV, out.skip, perm)
+    err_e = (dE - dE0).double().norm(dim=1)
+    err_c = (dC - dC0).double().norm(dim=1)
+    slack = 1e-6 * dE0.norm()  # fp32 rounding of the two runs
+    assert (err_e[order] <= be + slack).all()
+    assert (err_c[perm] <= bc + 1e-6 * dC0.norm()).all()
+    # ... and the bound is small against the gradient itself here.
+    assert rel_err(dE, dE0) < 2e-2 and rel_err(dC, dC0) < 2e-2
+
+
+def test_vocab_sorting_clusters_skippable_tiles():
+    """Walking the vocabulary by mean logit skips far more tiles than id order on zipf data."""
+    from bench.gpu_linear_check import skip_rate
+
+    e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
+    assert skip_rate(e, c, t, 2e-3, True) > skip_rate(e, c, t, 2e-3, False) + 0.2
+
+
+def test_compile_fullgraph_eager_backend():
+    """The custom ops trace under torch.compile(fullgraph=True) (fake-tensor registrations)."""
+    e, c, t, b, _ = _inputs((16,), 40, 70, torch.float32, {"bias": True}, seed=10)
+    f = torch.compile(lambda e, c, t, b: _triton(e, c, t, b, softcap=3.0), fullgraph=True, backend="eager")
+    loss = f(e, c, t, b)
+    ref = linear_cross_entropy(e, c, t, b, softcap=3.0, impl="torch")
+    assert rel_err(loss, ref) <= 1e-5
+    loss.backward()
+    assert e.grad is not None and c.grad is not None and b.grad is not None
+
+
+def test_cpu_tensors_rejected_outside_interpreter(monkeypatch):
+    from cce.kernels import linear_ce as K
+
+    monkeypatch.setattr(K, "_interpreting", lambda: False)
+    e, c, t, _, _ = _inputs((8,), 16, 20, torch.float32, {}, seed=11)
+    rows = torch.arange(8)
+    with pytest.raises(ValueError, match="CUDA"):
+        K.linear_ce_forward(e, c, None, None, rows, t, torch.tensor([8], dtype=torch.int32), 0.0, False)
