@@ -206,20 +206,24 @@ def abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
 
 def filter_error_bounds(e, c, t, b, up_loss, up_lse, eps: float, *, weight=None, **opts):
     """Upper bounds on ||dE_filtered - dE_exact||_F and ||dC_filtered - dC_exact||_F for a filter that
-    skips (row-chunk x vocab-block) tiles whose probabilities are all < eps and replaces a skipped
-    tile's contribution by the rank-1 term rowsum(dZ_tile) (outer) mean(C_tile) (and
+    skips (row-chunk x vocab-block) tiles of small softmax entries and replaces a skipped tile's
+    contribution by the rank-1 term rowsum(dZ_tile) (outer) mean(C_tile) (and
     colsum (outer) mean(E_chunk) for dC).
 
-    A skipped entry has p_iv < eps and dense gradient alpha_i p_iv softcap'_iv (|softcap'| <= 1).
-    Replacing c_v by a block mean moves it by at most 2 max_v ||c_v||, so row i of dE is off by at
-    most |alpha_i| sum_{v: p_iv < eps} p_iv * 2 max||c_v||; likewise column v of dC with
-    2 max_i ||e_i||. The bound holds for any tile shape and any subset of small entries skipped.
-    The bias gradient is not filtered (bound 0)."""
+    "Small" may mean p_iv < eps or |alpha_i| p_iv < eps * max_j |alpha_j| (threshold relative to
+    the largest row coefficient in the chunk); both imply |alpha_i| p_iv < eps * A with A the
+    largest |alpha_j| of all rows, the set bounded here. A skipped entry's dense gradient is
+    alpha_i p_iv softcap'_iv (|softcap'| <= 1). Replacing c_v by a block mean moves it by at most
+    2 max_v ||c_v||, so row i of dE is off by at most sum_{skipped v} |alpha_i| p_iv * 2 max||c_v||;
+    likewise column v of dC with 2 max_i ||e_i||. The bound holds for any tile shape and any
+    subset of small entries skipped. The bias gradient is not filtered (bound 0)."""
     if eps <= 0:
         return {"e": 0.0, "c": 0.0, "bias": 0.0}
     E, p, _, alpha, _, _, _, _ = _row_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
-    # 1e-3 margin: the implementation decides "p < eps" in fp32, this check in fp64.
-    small = torch.where(p < eps * (1 + 1e-3), p, 0.0) * alpha.abs()[:, None]  # [N, V]
+    dense = alpha.abs()[:, None] * p  # [N, V]
+    A = float(alpha.abs().max()) if alpha.numel() else 0.0
+    # 1e-3 margin: the implementation decides "small" in fp32, this check in fp64.
+    small = torch.where(dense < eps * A * (1 + 1e-3), dense, 0.0)
     cmax = float(c.detach().double().norm(dim=1).max()) if c.shape[0] else 0.0
     emax = float(E.norm(dim=1).max()) if E.shape[0] else 0.0
     return {

@@ -30,6 +30,7 @@ import pytest
 import torch
 from helpers import (
     UNIT_ROUNDOFF,
+    _row_terms,
     abs_logit_grad_terms,
     filter_error_bounds,
     grad_error_scales,
@@ -624,3 +625,67 @@ def test_default_filter_half_precision_peaked(dtype):
     check_against_oracle(e, c, t, b)
     e.grad = c.grad = b.grad = None
     check_against_oracle(e, c, t, b, reduction="none", softcap=30.0)
+
+
+def _constant_tail_problem(dtype, p_rare, *, n_freq=20, V=1300, D=40, lead=(3, 8), seed=5):
+    """Inputs where the filter's rank-1 correction is exact: every token has the same hidden state
+    e0, and the classes n_freq.. (the "rare" tail) all share one vector c_r whose softmax
+    probability is p_rare in every row. Any skipped tile lies in the tail (a tile holding a
+    frequent class has p > 2 eps, asserted), and there mean(C_tile) = c_r and mean(E_chunk) = e0 exactly, so a
+    correct correction reproduces the exact gradient up to rounding, while plain dropping misses
+    the tail mass (V - n_freq) * p_rare."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(D, generator=gen, dtype=torch.float64)
+    u /= u.norm()
+    n = torch.randn(D, generator=gen, dtype=torch.float64)
+    n -= (n @ u) * u
+    n /= n.norm()
+    e0 = 2.0 * u + 0.5 * n
+    g = torch.randn(n_freq, D, generator=gen, dtype=torch.float64) * (2.0 / D**0.5)
+    lse_freq = torch.logsumexp(g @ e0, 0)
+    # e0 . c_r = log(p_rare) + lse (ignoring the tail's own small mass), with c_r = -s u.
+    s = -(math.log(p_rare) + float(lse_freq)) / 2.0
+    c = torch.cat([g, (-s * u).expand(V - n_freq, D)]).to(dtype).requires_grad_()
+    e = e0.expand(*lead, D).to(dtype).clone().requires_grad_()
+    t = torch.randint(0, V, lead, generator=gen)
+    t[..., :2] = torch.randint(0, n_freq, lead[:-1] + (2,), generator=gen)
+    t[0, 3] = -100
+    return e, c, t
+
+
+@pytest.mark.parametrize(
+    "dtype,eps",
+    [(torch.float32, "auto"), (torch.float32, 1e-3), (torch.bfloat16, "auto"), (torch.float16, "auto")],
+)
+@pytest.mark.parametrize("variant", ["mean", "none_lse_softcap", "sum_shift_smooth"])
+def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant):
+    """The skipped-tile correction, not just the generic bound: here it is exact by construction
+    (see _constant_tail_problem), so the filtered result must match the oracle to rounding
+    accuracy (tolerance of check_against_oracle with a zero filter bound), while dropping the
+    skipped tiles would err by far more (asserted as a precondition)."""
+    eps_v = CCEOptions(filter_eps=eps).resolved_filter_eps(dtype)
+    e, c, t = _constant_tail_problem(dtype, p_rare=eps_v / 2)
+    opts = {
+        "mean": dict(reduction="mean"),
+        "none_lse_softcap": dict(reduction="none", return_lse=True, softcap=40.0),
+        "sum_shift_smooth": dict(reduction="sum", shift=True, label_smoothing=0.1, z_loss=1e-3),
+    }[variant]
+    _, L, _, tt = problem_rows(e, c, t, None, shift=opts.get("shift", False), softcap=opts.get("softcap"))
+    p = torch.softmax(L, -1)
+    assert bool((p[:, 20:] < eps_v).all()) and bool((p[:, :20].amax(1) > 2 * eps_v).all())
+    got = run_with_upstream(cce_fn, e, c, t, None, seed=9, filter_eps=eps, **opts)
+    ref = run_with_upstream(ref_fn, e, c, t, None, seed=9, **opts)
+    up, uplse = got[3], got[4]
+    dz = reference_logit_grad(e, c, t, None, up, uplse, **opts).abs()
+    dz = dz + abs_logit_grad_terms(e, c, t, None, up, uplse, **opts)
+    scales = grad_error_scales(e, c, t, None, dz, shift=opts.get("shift", False))
+    # What dropping the tail without correction would miss, per row: |alpha_i| * tail mass * c_r.
+    E, pp, _, alpha, *_ = _row_terms(e, c, t, None, up, uplse, **opts)
+    tail = alpha.abs() * pp[:, 20:].sum(1)
+    dropped = {"e": float(tail.norm() * c[-1].detach().double().norm()), "c": float(tail.sum() * E[0].norm())}
+    for name in ("e", "c"):
+        tol = (UNIT_ROUNDOFF[dtype] + ACC_TOL[dtype]) * scales[name]
+        if eps == "auto" and variant == "mean" and dtype == torch.float32:
+            assert dropped[name] > 5 * tol, "construction too weak to detect a missing correction"
+        diff = float((got[2][name].double() - ref[2][name].double()).norm())
+        assert diff <= tol, f"d{name}: {diff:.3g} > {tol:.3g} (uncorrected drop ~{dropped[name]:.3g})"
