@@ -134,21 +134,26 @@ def linear_reference(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> Linea
 
 @dataclasses.dataclass
 class LogitsReference:
-    x: torch.Tensor  # the logits (as given, bf16)
-    lse: torch.Tensor  # fp32 [N]
+    """Per-row fp32 statistics of the logits, taken before any provider ran.
 
-    def loss(self, t: torch.Tensor) -> float:
-        valid = t != IGNORE_INDEX
-        safe = torch.where(valid, t, 0)
-        tgt = self.x.gather(1, safe[:, None])[:, 0].float()
-        tok = torch.where(valid, self.lse - tgt, 0.0).double()
-        return float(tok.sum()) / max(int(valid.sum()), 1)
+    The loss (for the plain and the causal-shifted targets) is final at construction; the
+    gradient error re-reads ``x`` chunk by chunk, which is why the harness checks after every
+    provider that the inputs are unchanged.
+    """
+
+    x: torch.Tensor  # the logits (as given, bf16)
+    t: torch.Tensor
+    lse: torch.Tensor  # fp32 [N]
+    losses: dict[bool, float]  # shift -> mean loss
+
+    def targets(self, shift: bool) -> torch.Tensor:
+        return _shifted_targets(self.t) if shift else self.t
 
     @torch.no_grad()
-    def grad_err(self, dx: torch.Tensor, t: torch.Tensor) -> float:
+    def grad_err(self, dx: torch.Tensor, shift: bool = False) -> float:
         """Relative L2 error of dx against d(mean loss)/dx in fp32, built chunk by chunk."""
-        valid_all = t != IGNORE_INDEX
-        n_valid = max(int(valid_all.sum()), 1)
+        t = self.targets(shift)
+        n_valid = max(int((t != IGNORE_INDEX).sum()), 1)
         num = torch.zeros((), device=dx.device, dtype=torch.float64)
         den = torch.zeros((), device=dx.device, dtype=torch.float64)
         step = _rows_per_chunk(self.x.shape[1])
@@ -166,10 +171,27 @@ class LogitsReference:
 
 
 @torch.no_grad()
-def logits_reference(x: torch.Tensor) -> LogitsReference:
+def logits_reference(x: torch.Tensor, t: torch.Tensor) -> LogitsReference:
+    """fp32 log-sum-exp per row of the (bf16) logits and the mean loss, plain and shifted."""
     step = _rows_per_chunk(x.shape[1])
     lse = torch.cat([torch.logsumexp(x[s : s + step].float(), -1) for s in range(0, x.shape[0], step)])
-    return LogitsReference(x, lse)
+    losses = {}
+    for shift in (False, True):
+        tt = _shifted_targets(t) if shift else t
+        valid = tt != IGNORE_INDEX
+        tgt = x.gather(1, torch.where(valid, tt, 0)[:, None])[:, 0].float()
+        tok = torch.where(valid, lse - tgt, 0.0).double()
+        losses[shift] = float(tok.sum()) / max(int(valid.sum()), 1)
+    return LogitsReference(x, t, lse, losses)
+
+
+def fingerprint(*tensors: torch.Tensor) -> list[int]:
+    """Exact integer checksums of the tensors' bits (detects a provider writing into its inputs)."""
+    out = []
+    for x in tensors:
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        out.append(int(x.detach().contiguous().view(ints).sum(dtype=torch.int64)))
+    return out
 
 
 def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
@@ -199,8 +221,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _free(device: torch.device) -> None:
-    gc.collect()
     if device.type == "cuda":
+        gc.collect()  # tensors held by reference cycles (autograd graphs, tracebacks) go back now
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
 
@@ -376,13 +398,9 @@ def run_row(p: Provider, case: dict, inputs: dict, device: torch.device, cfg: Co
                 row["de_err"] = rel_l2(out[1], ref.de)
                 row["dc_err"] = rel_l2(out[2], ref.dc)
         else:
-            tt = _shifted_targets(inputs["t"]) if p.shift else inputs["t"]
-            ref_loss = ref.loss(tt)
+            ref_loss = ref.losses[p.shift]
             if case["mode"] == FWDBWD:
-                dx = out[1]
-                if p.shift:  # the shift's gradient comes back shaped like the (1, N, V) input
-                    dx = dx.reshape(ref.x.shape)
-                row["dx_err"] = ref.grad_err(dx, tt)
+                row["dx_err"] = ref.grad_err(out[1].reshape(ref.x.shape), p.shift)
         row["ref_loss"] = ref_loss
         row["loss_err"] = abs(row["loss"] - ref_loss) / abs(ref_loss) if ref_loss else abs(row["loss"])
         out = None
@@ -438,6 +456,33 @@ def _progress(i: int, total: int, row: dict) -> str:
     return head + " " + "  ".join(parts)
 
 
+def _case_inputs(lvl: str, shape: Shape, regime: str, device, cfg: Config, base: dict):
+    """(inputs, None) or ({}, (status, message)); fills the floor / gradient size into ``base``."""
+    inputs: dict = {}
+    try:
+        if lvl == LINEAR:
+            e, c, t = data.make_inputs(shape.N, shape.D, shape.V, regime, dtype=cfg.dtype, device=device,
+                                       seed=cfg.seed)  # fmt: skip
+            inputs.update(e=e, c=c, t=t, ref=linear_reference(e, c, t), check=(e, c, t))
+            if base is not None:
+                base["floor_ms"] = _floor_matmul_ms(e, c, device, cfg)
+                base["grad_mb"] = (e.numel() * e.element_size() + c.numel() * c.element_size()) / 2**20
+        else:
+            x, t = data.make_logits(shape.N, shape.D, shape.V, regime, dtype=cfg.dtype, device=device,
+                                    seed=cfg.seed)  # fmt: skip
+            inputs.update(x=x, t=t, ref=logits_reference(x, t), check=(x, t))
+            if base is not None:
+                base["grad_mb"] = x.numel() * x.element_size() / 2**20
+        inputs["fingerprint"] = fingerprint(*inputs["check"])
+        _sync(device)
+        return inputs, None
+    except Exception as exc:  # noqa: BLE001 - e.g. OOM while building a sweep case's inputs
+        err = (_status_of(exc), _short(exc))
+    inputs.clear()
+    _free(device)
+    return {}, err
+
+
 def run(cfg: Config) -> dict:
     """Runs every (level, shape, regime, mode, provider) row of ``cfg``; returns the result dict."""
     device = torch.device(cfg.device)
@@ -475,27 +520,9 @@ def run(cfg: Config) -> dict:
     i = 0
     for lvl, shape, regime in cases:
         t0 = time.perf_counter()
-        inputs: dict = {}
         base = dict(level=lvl, shape=shape.name, N=shape.N, D=shape.D, V=shape.V, regime=regime,
                     sweep=shape.sweep)  # fmt: skip
-        try:
-            if lvl == LINEAR:
-                e, c, t = data.make_inputs(
-                    shape.N, shape.D, shape.V, regime, dtype=cfg.dtype, device=device, seed=cfg.seed
-                )
-                inputs.update(e=e, c=c, t=t, ref=linear_reference(e, c, t))
-                base["floor_ms"] = _floor_matmul_ms(e, c, device, cfg)
-                base["grad_mb"] = (e.numel() * e.element_size() + c.numel() * c.element_size()) / 2**20
-            else:
-                x, t = data.make_logits(
-                    shape.N, shape.D, shape.V, regime, dtype=cfg.dtype, device=device, seed=cfg.seed
-                )
-                inputs.update(x=x, t=t, ref=logits_reference(x))
-                base["grad_mb"] = x.numel() * x.element_size() / 2**20
-            setup_err = None
-        except Exception as exc:  # noqa: BLE001 - e.g. OOM while building a sweep case's inputs
-            setup_err = exc
-        _sync(device)
+        inputs, setup_err = _case_inputs(lvl, shape, regime, device, cfg, base)
         cfg.log(
             f"# {lvl} {shape.name} (N={shape.N}, D={shape.D}, V={shape.V}) {regime}: inputs + reference "
             f"{time.perf_counter() - t0:.1f} s"
@@ -514,10 +541,15 @@ def run(cfg: Config) -> dict:
                     continue
                 i += 1
                 if setup_err is not None:
-                    row = dict(case, provider=p.name, status=_status_of(setup_err),
-                               error="inputs: " + _short(setup_err))  # fmt: skip
+                    row = dict(case, provider=p.name, status=setup_err[0], error="inputs: " + setup_err[1])
                 else:
                     row = run_row(p, case, inputs, device, cfg)
+                    if fingerprint(*inputs["check"]) != inputs["fingerprint"]:
+                        # A provider wrote into its inputs: its row is void and the rest need fresh ones.
+                        row.update(status="error", error="modified its inputs (row void; inputs regenerated)")
+                        inputs.clear()
+                        _free(device)
+                        inputs, setup_err = _case_inputs(lvl, shape, regime, device, cfg, None)
                 rows.append(row)
                 cfg.log(_progress(i, total, row))
         inputs.clear()

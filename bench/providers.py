@@ -5,9 +5,9 @@ weight ("linear" level: ``loss(e, c, t)``) or from existing logits ("logits" lev
 ``loss(x, t)``). Peers that are not installed are reported as unavailable rows, and a provider
 that raises (missing kernels, OOM, a compile error) becomes an error row: the harness catches it.
 
-Providers that write into their logits input (Liger's cross entropy, cce with
+Providers that write into their logits input (Liger's cross entropy, crossentropy-triton, cce with
 ``inplace_backward=True``) declare ``fresh_input``: the harness hands them a fresh copy per call,
-made outside the timed region.
+made outside the timed region (and checks after every provider that the shared inputs are intact).
 """
 
 from __future__ import annotations
@@ -213,8 +213,9 @@ def all_providers() -> list[Provider]:
         P("liger-ce", LOGITS, _liger_ce, "LigerCrossEntropyLoss (writes the gradient into its input)",
           package="liger-kernel", needs_cuda=True, fresh_input=True),
         P("crossentropy-triton", LOGITS, _crossentropy_triton,
-          "crossentropy_triton.CrossEntropyFunction (built-in causal shift)", package="crossentropy-triton",
-          needs_cuda=True, shift=True),
+          "crossentropy_triton.CrossEntropyFunction (built-in causal shift; at batch 1 the shifted view is "
+          "contiguous, so it writes the gradient into its input)", package="crossentropy-triton",
+          needs_cuda=True, shift=True, fresh_input=True),
     ]  # fmt: skip
 
 

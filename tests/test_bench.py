@@ -19,6 +19,7 @@ from bench.harness import Config, Shape, linear_reference, logits_reference, run
 from bench.providers import FWD, FWDBWD, LINEAR, LOGITS, Provider, all_providers
 
 TORCH_PROVIDERS = ("torch", "chunked8", "torch-ce")
+GOOD = (*TORCH_PROVIDERS, "shifted")
 
 
 def _boom():
@@ -26,6 +27,19 @@ def _boom():
         raise RuntimeError("planted failure")
 
     return loss
+
+
+def _scribbler():
+    def loss(x, t):
+        with torch.no_grad():
+            x.zero_()  # writes into the shared input: the harness must notice and regenerate it
+        return F.cross_entropy(x.float(), t)
+
+    return loss
+
+
+def _shifted_ce(x, t):
+    return F.cross_entropy(x[:-1].float(), t[1:])
 
 
 def _oom():
@@ -82,13 +96,17 @@ def test_references_match_autograd():
     torch.testing.assert_close(ref.de, de, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(ref.dc, dc, rtol=1e-4, atol=1e-6)
     x = (e @ c.T).bfloat16()
-    lref = logits_reference(x)
-    xg = x.float().requires_grad_()
-    loss = F.cross_entropy(xg, t)
-    (dx,) = torch.autograd.grad(loss, xg)
-    assert math.isclose(lref.loss(t), float(loss.detach()), rel_tol=1e-5)
-    assert lref.grad_err(dx, t) < 1e-5
-    assert lref.grad_err(torch.zeros_like(dx), t) == pytest.approx(1.0)
+    lref = logits_reference(x, t)
+    for shift in (False, True):
+        xg = x.float().requires_grad_()
+        if shift:  # the causal shift: row i predicts t[i + 1]; the last row has no target
+            loss = F.cross_entropy(xg[:-1], t[1:])
+        else:
+            loss = F.cross_entropy(xg, t)
+        (dx,) = torch.autograd.grad(loss, xg)
+        assert math.isclose(lref.losses[shift], float(loss.detach()), rel_tol=1e-5)
+        assert lref.grad_err(dx, shift) < 1e-5
+        assert lref.grad_err(torch.zeros_like(dx), shift) == pytest.approx(1.0)
 
 
 def _names(ps):
@@ -124,12 +142,25 @@ def test_cli_selects_shapes_and_providers():
     assert set(required) <= set(names)
 
 
-def test_smoke_run_schema_and_failures(tmp_path):
+@pytest.fixture
+def one_thread():
+    # Tiny tensors: threads only add contention (the CI machine may be busy).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_smoke_run_schema_and_failures(tmp_path, one_thread):
     # The failing providers come first: the ones after them must still run.
     providers = [
         Provider("boom", LINEAR, _boom, "raises"),
         Provider("oom", LOGITS, _oom, "raises an OOM"),
         Provider("absent", LINEAR, _boom, "not installed", package="surely-not-installed-pkg"),
+        Provider("scribbler", LOGITS, _scribbler, "writes into its input"),
+        Provider(
+            "shifted", LOGITS, lambda: _shifted_ce, "causal shift built in", shift=True, fresh_input=True
+        ),
     ]
     providers += [p for p in all_providers() if p.name in TORCH_PROVIDERS]
     cfg = Config(
@@ -146,12 +177,12 @@ def test_smoke_run_schema_and_failures(tmp_path):
         assert key in meta
     assert meta["versions"]["torch"] == torch.__version__
     rows = result["rows"]
-    # 2 regimes x 2 modes x (4 linear + 2 logits providers)
-    assert len(rows) == 2 * 2 * 6
+    # 2 regimes x 2 modes x (4 linear + 4 logits providers)
+    assert len(rows) == 2 * 2 * 8
     for r in rows:
         for key in ("level", "shape", "N", "D", "V", "regime", "mode", "provider", "status", "error"):
             assert key in r
-        if r["provider"] in TORCH_PROVIDERS:
+        if r["provider"] in GOOD:
             assert r["status"] == "ok", r
             assert r["ms"] > 0 and r["loss_err"] < 1e-2
             assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-2)
@@ -168,3 +199,5 @@ def test_smoke_run_schema_and_failures(tmp_path):
     assert "planted failure" in by[("boom", "zipf", FWDBWD)]["error"]
     assert by[("oom", "random", FWD)]["status"] == "oom"
     assert by[("absent", "random", FWD)]["status"] == "unavailable"
+    for mode in (FWD, FWDBWD):
+        assert "modified its inputs" in by[("scribbler", "zipf", mode)]["error"]
