@@ -151,15 +151,45 @@ def triton_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, need_dbias, *, sort_vocab: bool = True, record_skip: bool = False,
 ):  # fmt: skip
-    """(dE, dC, dbias) in fp32 (None where not needed) and the kernel's output (skip flags)."""
+    """(dE, dC, dbias) in fp32 (None where not needed) and the kernel's output (skip flags),
+    for upstream gradients g (per-row loss) and h (lse)."""
+    V = c.shape[0]
+    k = _math.LossConsts(label_smoothing, z_loss, V)
+    valid = targets != ignore_index
+    w_t = _math.target_weight(weight, targets, valid)
+    W = _math.weight_total(weight, V, e2d.device)
+    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
+    return _backward_core(
+        e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if k.smoothing else None, ignore_index,
+        softcap, filter_eps, need_de, need_dc, need_dbias, sort_vocab, record_skip,
+    )  # fmt: skip
+
+
+def triton_backward_coeffs(
+    e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
+    need_de, need_dc, need_dbias,
+):  # fmt: skip
+    """(dE, dC, dbias) in fp32 for given per-row coefficients: dZ = (alpha p - beta [v == t] -
+    gamma w) softcap' (gamma None: no smoothing term). For callers that form their own
+    coefficients (cce/distributed.py)."""
+    return _backward_core(
+        e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
+        need_de, need_dc, need_dbias, True, False,
+    )[:3]  # fmt: skip
+
+
+def _backward_core(
+    e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
+    need_de, need_dc, need_dbias, sort_vocab, record_skip,
+):  # fmt: skip
     V, D = c.shape
     dev = e2d.device
-    k = _math.LossConsts(label_smoothing, z_loss, V)
     r = _Rows(targets, rows, ignore_index)
-    w_t = _math.target_weight(weight, targets, r.valid)
-    W = _math.weight_total(weight, V, dev)
-    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, r.valid, k)
-    fold = k.smoothing and softcap > 0
+    alpha, beta = alpha.float(), beta.float()
+    smoothing = gamma is not None
+    if smoothing:
+        gamma = gamma.float()
+    fold = smoothing and softcap > 0
     # With softcap the smoothing term -gamma w_v is multiplied by softcap'(z_iv), no longer
     # rank-1; it is then part of every tile's dZ and the filter (whose bound assumes dZ ~ alpha p)
     # is off, as in impl="torch".
@@ -180,7 +210,7 @@ def triton_backward(
     if out.CSK is not None:
         dC.addmm_(out.CSK.T, _block_means_e(e2d, r, out.BLOCK_N))
     # Smoothing without softcap: -gamma_i w_v is rank-1, added exactly.
-    if k.smoothing and not fold:
+    if smoothing and not fold:
         w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
         if db is not None:
             db.sub_(w * gamma.sum())
