@@ -555,7 +555,10 @@ def run(cfg: Config) -> dict:
         inputs.clear()
         setup_err = None
         _free(device)
+        if cfg.out_dir is not None:  # partial results survive a run cut short
+            save({"meta": dict(meta, complete=False), "rows": rows}, cfg.out_dir, plots=False, tag=cfg.tag)
     meta["seconds"] = round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1)
+    meta["complete"] = True
     result = {"meta": meta, "rows": rows}
     cfg.log("")
     cfg.log(format_table(result))
@@ -621,7 +624,10 @@ def _slug(s: str) -> str:
 
 
 def save(result: dict, out_dir: Path, plots: bool = True, tag: str = "") -> list[Path]:
-    """Writes ``<gpu>_<date>[_tag].json`` (+ PNG plots) under ``out_dir``; returns the paths."""
+    """Writes ``<gpu>_<date>[_tag].json`` (+ PNG plots) under ``out_dir``; returns the paths.
+
+    The date is the run's start, so the partial saves during a run overwrite one file.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = result["meta"]

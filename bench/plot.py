@@ -51,6 +51,8 @@ def _bars(result: dict, level: str, regime: str, path: Path) -> Path | None:
                 if xs:
                     ax.bar(xs, ys, width, label=prov)
             for si, shape in enumerate(shapes):
+                if key == "peak_mb" and mode == "fwd":
+                    break  # a forward without grad owes no gradient buffers
                 refs = [r.get(ref_key) for r in rows if r["shape"] == shape and r["mode"] == mode]
                 refs = [v for v in refs if v]
                 if refs:

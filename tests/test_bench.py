@@ -173,6 +173,7 @@ def test_smoke_run_schema_and_failures(tmp_path, one_thread):
     assert json.loads(saved[0].read_text()) == json.loads(json.dumps(result, default=str))
     assert len(list(tmp_path.glob("*.png"))) >= 1
     meta = result["meta"]
+    assert meta["complete"] is True
     for key in ("gpu", "date", "versions", "dtype", "timing", "providers"):
         assert key in meta
     assert meta["versions"]["torch"] == torch.__version__
