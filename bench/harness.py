@@ -25,6 +25,7 @@ import math
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -190,7 +191,10 @@ def fingerprint(*tensors: torch.Tensor) -> list[int]:
     out = []
     for x in tensors:
         ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-        out.append(int(x.detach().contiguous().view(ints).sum(dtype=torch.int64)))
+        flat = x.detach().contiguous().view(ints).reshape(-1)
+        step = 1 << 26  # chunks bound any int64 temporary of the reduction to 512 MB
+        total = sum(flat[s : s + step].sum(dtype=torch.int64) for s in range(0, flat.numel(), step))
+        out.append(int(total))
     return out
 
 
@@ -433,6 +437,21 @@ def _gpu_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def _git_commit() -> str | None:
+    """The checkout's commit (+ "-dirty"), or None where there is no git repository (a copied tree)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)  # fmt: skip
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)  # fmt: skip
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _floor_matmul_ms(e, c, device, cfg: Config) -> float:
     return time_ms(lambda: e @ c.T, None, device, cfg)
 
@@ -500,6 +519,7 @@ def run(cfg: Config) -> dict:
                    "return_mode": "median"},
         "providers": {p.name: p.description for p in cfg.providers},
         "argv": sys.argv[1:],
+        "git": _git_commit(),
     }  # fmt: skip
     rows: list[dict] = []
     want = {lvl: [p for p in cfg.providers if p.level == lvl] for lvl in cfg.levels}
