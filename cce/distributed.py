@@ -134,30 +134,73 @@ class _Local:
     filter_eps: float
 
 
-def _torch_problem(e2d, c, bias, lc: _Local):
-    from .torch_impl import _Problem
+# Bytes of fp32 chunk temporaries (logits and their tanh) the torch local op allows at once.
+CHUNK_BYTES = 64 << 20
 
-    t = _local_problem_targets(lc)
-    ls = 1.0 if lc.smoothing else 0.0  # only a switch here: the coefficients come from outside
-    return _Problem(e2d, c, bias, lc.weight, lc.rows, t, -1, lc.softcap, ls, 0.0, lc.filter_eps)
+
+class _TorchBlock:
+    """The chunked logits of one vocabulary block (impl="torch"), in the accumulation dtype.
+
+    Kept apart from cce.torch_impl's _Problem (whose chunk loop also carries the one-device
+    loss, precomputed gradients and the CPU tile filter): here only the block's logits are
+    needed, for any per-row coefficients.
+    """
+
+    def __init__(self, e2d, c, bias, lc: _Local):
+        self.acc = torch.float64 if e2d.dtype == torch.float64 else torch.float32
+        self.e2d, self.lc = e2d, lc
+        self.cpu = e2d.device.type == "cpu"
+        # CPU: run the matmuls in fp32 (no fast bf16 kernels there); CUDA: bf16 in, fp32 out.
+        self.c_op = c.to(self.acc) if (self.cpu or c.dtype == self.acc) else c
+        self.bias = None if bias is None else bias.to(self.acc)
+        self.V, self.D = c.shape
+        self.safe_t = lc.local_t.clamp(min=0)
+        # CPU: skip ignored rows (the index needs the host, free there); CUDA: every row.
+        self.order = lc.valid.nonzero().squeeze(1) if self.cpu else None
+        n = lc.valid.numel() if self.order is None else self.order.numel()
+        per_row = self.V * torch.finfo(self.acc).bits // 8 * (2 if lc.softcap > 0 else 1)
+        self.n, self.chunk = n, max(1, min(n, CHUNK_BYTES // max(per_row, 1)))
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if b.dtype == self.acc:
+            return torch.mm(a.to(self.acc), b)
+        return torch.mm(a.to(b.dtype), b, out_dtype=self.acc)
+
+    def chunks(self):
+        """(problem rows, e2d rows, e rows in acc or input dtype, logits, tanh or None) per chunk."""
+        rows = self.lc.rows
+        for s in range(0, self.n, self.chunk):
+            if self.order is None:
+                prow = torch.arange(s, min(s + self.chunk, self.n), device=self.e2d.device)
+            else:
+                prow = self.order[s : s + self.chunk]
+            erow = prow if rows is None else rows.index_select(0, prow)
+            ec = self.e2d.index_select(0, erow)
+            ec = ec.to(self.acc) if self.cpu else ec
+            z = self.mm(ec, self.c_op.T)  # [n, V_local]
+            if self.bias is not None:
+                z += self.bias
+            th = None
+            if self.lc.softcap > 0:
+                th = z.div_(self.lc.softcap).tanh_()
+                z = th * self.lc.softcap
+            yield prow, erow, ec, z, th
 
 
 def torch_local_stats(e2d, c, bias, lc: _Local):
     """(lse, tgt, ssum) of this block per row, in the accumulation dtype (impl="torch").
 
-    tgt is 0 where the target is not in the block; ssum is None without smoothing. Chunking,
-    row dropping and the logits come from torch_impl's _Problem.
+    tgt is 0 where the target is not in the block; ssum is None without smoothing.
     """
-    pb = _torch_problem(e2d, c, bias, lc)
-    N, acc, dev = pb.N, pb.acc, e2d.device
+    blk = _TorchBlock(e2d, c, bias, lc)
+    N, acc, dev = lc.valid.numel(), blk.acc, e2d.device
     w = None if lc.weight is None else lc.weight.to(acc)
     lse = torch.zeros(N, dtype=acc, device=dev)
     tgt = torch.zeros(N, dtype=acc, device=dev)
     ssum = torch.zeros(N, dtype=acc, device=dev) if lc.smoothing else None
-    for prow, erow in pb.chunks():
-        L, _ = pb.logits(pb.e_rows(erow))  # [n, V_local] fp32 (after bias and softcap)
+    for prow, _, _, L, _ in blk.chunks():
         lse[prow] = torch.logsumexp(L, 1)
-        tgt[prow] = L.gather(1, pb.safe_t[prow][:, None]).squeeze(1)
+        tgt[prow] = L.gather(1, blk.safe_t[prow][:, None]).squeeze(1)
         if ssum is not None:
             ssum[prow] = L.sum(1) if w is None else L @ w
     tgt = torch.where(lc.local_t >= 0, tgt, 0.0)
@@ -167,25 +210,20 @@ def torch_local_stats(e2d, c, bias, lc: _Local):
 def torch_local_grads(e2d, c, bias, lc: _Local, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db):
     """(dE, dC, dbias) of this block (None where not needed) for
     dZ = (alpha p - beta [v == t] - gamma w) softcap'(z), p = exp(L - lse) with this block's lse
-    (impl="torch"). Exact: the CPU tile filter of torch_impl is not used here."""
-    from .torch_impl import _mm
-
-    pb = _torch_problem(e2d, c, bias, lc)
-    acc, dev = pb.acc, e2d.device
+    (impl="torch"). Exact: no tile filter."""
+    blk = _TorchBlock(e2d, c, bias, lc)
+    acc, dev = blk.acc, e2d.device
     dE = torch.zeros(e2d.shape, dtype=acc, device=dev) if need_de else None
-    dC = torch.zeros(pb.V, pb.D, dtype=acc, device=dev) if need_dc else None
-    db = torch.zeros(pb.V, dtype=acc, device=dev) if need_db else None
+    dC = torch.zeros(blk.V, blk.D, dtype=acc, device=dev) if need_dc else None
+    db = torch.zeros(blk.V, dtype=acc, device=dev) if need_db else None
     lse, alpha, beta = lse.to(acc), alpha.to(acc), beta.to(acc)
     w = None
     if gamma is not None:
         gamma = gamma.to(acc)
-        w = torch.ones(pb.V, dtype=acc, device=dev) if lc.weight is None else lc.weight.to(acc)
-    for prow, erow in pb.chunks():
-        ec = pb.e_rows(erow)
-        L, th = pb.logits(ec)
+        w = torch.ones(blk.V, dtype=acc, device=dev) if lc.weight is None else lc.weight.to(acc)
+    for prow, erow, ec, L, th in blk.chunks():
         dZ = L.sub_(lse[prow][:, None]).exp_().mul_(alpha[prow][:, None])  # alpha p, in place
-        tc = pb.safe_t[prow]
-        dZ.scatter_add_(1, tc[:, None], -beta[prow][:, None])  # beta is 0 off-block
+        dZ.scatter_add_(1, blk.safe_t[prow][:, None], -beta[prow][:, None])  # beta is 0 off-block
         if gamma is not None:
             dZ.addr_(gamma[prow], w, alpha=-1.0)
         if th is not None:
@@ -193,13 +231,9 @@ def torch_local_grads(e2d, c, bias, lc: _Local, lse, tgt, alpha, beta, gamma, ne
         if db is not None:
             db += dZ.sum(0)
         if dC is not None:
-            dC += _mm(dZ.T, ec, acc)
+            dC += blk.mm(dZ.T, ec)
         if dE is not None:
-            dE_c = _mm(dZ, pb.c_op, acc)
-            if isinstance(erow, slice):
-                dE[erow] += dE_c
-            else:
-                dE.index_add_(0, erow, dE_c)
+            dE.index_add_(0, erow, blk.mm(dZ, blk.c_op))
     return dE, dC, db
 
 
@@ -691,8 +725,8 @@ def linear_cross_entropy_vocab_parallel(
 _FSDP_METHOD = "_cce_fsdp_call"
 
 
-def _call_with_module(self: nn.Module, fn, *args):
-    return fn(self, *args)
+def _call_with_module(self: nn.Module, fn, *args, **kwargs):
+    return fn(*args, **kwargs)
 
 
 def _fsdp_module(module: nn.Module) -> bool:
@@ -701,6 +735,28 @@ def _fsdp_module(module: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(module, FSDPModule)
+
+
+def call_unsharded(module: nn.Module, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with ``module``'s FSDP2-sharded parameters gathered, as FSDP2 does
+    around ``module.forward``; a plain call when ``module`` is not ``fully_shard``-ed.
+
+    ``fn`` runs as a registered FSDP forward method of ``module``
+    (``torch.distributed.fsdp.register_fsdp_forward_method``): FSDP2 all-gathers the parameters
+    before it (``module.weight`` is then the whole, plain tensor), frees them after it when
+    ``reshard_after_forward``, gathers them again before the backward of ``fn``'s outputs and
+    reduce-scatters their gradients after it, exactly as for ``module(x)``. Pass the tensors that
+    ``fn`` differentiates (e.g. the hidden states) in ``args`` so that FSDP2 can hook them.
+    The first call stores a bound method on ``module`` (attribute ``_cce_fsdp_call``).
+    """
+    if not _fsdp_module(module):
+        return fn(*args, **kwargs)
+    if not callable(getattr(module, _FSDP_METHOD, None)):
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        setattr(module, _FSDP_METHOD, types.MethodType(_call_with_module, module))
+        register_fsdp_forward_method(module, _FSDP_METHOD)
+    return getattr(module, _FSDP_METHOD)(fn, *args, **kwargs)
 
 
 def lm_head_linear_cross_entropy(
@@ -714,40 +770,31 @@ def lm_head_linear_cross_entropy(
     """Linear cross entropy of an ``nn.Linear``-like head (``.weight (V, D)``, optional ``.bias``).
 
     - plain weight: :func:`cce.linear_cross_entropy`;
-    - ``lm_head`` wrapped with ``torch.distributed.fsdp.fully_shard`` (FSDP2, data parallel):
-      the loss runs as a registered FSDP forward method of ``lm_head``
-      (``register_fsdp_forward_method``), so FSDP2 all-gathers the weight before it, frees it
-      after (``reshard_after_forward``), unshards it again for backward and reduce-scatters its
-      gradient, exactly as for ``lm_head(hidden)``. Each rank keeps its own tokens;
-    - weight a ``DTensor`` sharded ``Shard(0)`` (tensor parallel, same tokens on every rank):
+    - ``lm_head`` wrapped with ``torch.distributed.fsdp.fully_shard`` (FSDP2, data parallel, each
+      rank its own tokens): through :func:`call_unsharded`, so that FSDP2 gathers the weight
+      and reduce-scatters its gradient as it does for ``lm_head(hidden)``;
+    - weight a ``DTensor`` sharded ``Shard(0)`` (tensor parallel, the same tokens on every rank):
       vocabulary parallelism over its mesh group, no gather of the weight.
 
     A sharded weight is never read as if whole: a DTensor weight of a head that is not itself an
-    FSDP module (e.g. managed by a parent's ``fully_shard``, outside the parent's forward) goes
-    through the vocabulary-parallel checks, which reject data-parallel (differing) ``e``.
+    FSDP module (e.g. managed by a parent's ``fully_shard`` and read outside the parent's forward)
+    goes through the vocabulary-parallel checks, which reject differing (data-parallel) ``e``.
     """
-    if _fsdp_module(lm_head):
-        if not callable(getattr(lm_head, _FSDP_METHOD, None)):
-            from torch.distributed.fsdp import register_fsdp_forward_method
 
-            # An instance attribute (not a parameter), wrapped by FSDP2 with its hooks once.
-            setattr(lm_head, _FSDP_METHOD, types.MethodType(_call_with_module, lm_head))
-            register_fsdp_forward_method(lm_head, _FSDP_METHOD)
-        return getattr(lm_head, _FSDP_METHOD)(_head_loss, e, targets, weight, options)
-    return _head_loss(lm_head, e, targets, weight, options)
+    def loss(e_, t_):
+        c = lm_head.weight
+        bias = getattr(lm_head, "bias", None)
+        if _is_dtensor(c):
+            return linear_cross_entropy_vocab_parallel(e_, c, t_, bias, weight=weight, **options)
+        from .linear import linear_cross_entropy
 
+        return linear_cross_entropy(e_, c, t_, bias, weight=weight, **options)
 
-def _head_loss(lm_head: nn.Module, e, targets, weight, options: dict):
-    c = lm_head.weight
-    bias = getattr(lm_head, "bias", None)
-    if _is_dtensor(c):
-        return linear_cross_entropy_vocab_parallel(e, c, targets, bias, weight=weight, **options)
-    from .linear import linear_cross_entropy
-
-    return linear_cross_entropy(e, c, targets, bias, weight=weight, **options)
+    return call_unsharded(lm_head, loss, e, targets)
 
 
 __all__ = [
+    "call_unsharded",
     "linear_cross_entropy_vocab_parallel",
     "lm_head_linear_cross_entropy",
     "vocab_parallel_with_options",
