@@ -166,7 +166,7 @@ def grad_error_scales(e, c, t, b, dz, *, shift: bool = False):
     }
 
 
-def _row_terms(e, c, t, b, up_loss, up_lse, *, weight=None, reduction="mean", **opts):
+def row_terms(e, c, t, b, up_loss, up_lse, *, weight=None, reduction="mean", **opts):
     """fp64 pieces of dL/dz_iv = (alpha_i p_iv - beta_i [v == t_i] - gamma_i w_v) softcap'_iv for the
     problem rows, with the row coefficients from cce._math (the formula every implementation
     shares): (E, p, sc, alpha, beta, gamma, w, t)."""
@@ -195,7 +195,7 @@ def abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
     """(|alpha_i| p_iv + |beta_i| [v == t_i] + |gamma_i| w_v) |softcap'_iv|: the magnitude of the
     terms an implementation adds up into dL/dz_iv (they cancel, e.g. for V = 1 or a confident
     softmax, so |dL/dz| alone understates the rounding error of a correct implementation)."""
-    E, p, sc, alpha, beta, gamma, w, tt = _row_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
+    E, p, sc, alpha, beta, gamma, w, tt = row_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
     A = alpha.abs()[:, None] * p + gamma.abs()[:, None] * w.abs()[None, :]
     if tt.numel():
         valid = beta != 0
@@ -219,7 +219,7 @@ def filter_error_bounds(e, c, t, b, up_loss, up_lse, eps: float, *, weight=None,
     subset of small entries skipped. The bias gradient is not filtered (bound 0)."""
     if eps <= 0:
         return {"e": 0.0, "c": 0.0, "bias": 0.0}
-    E, p, _, alpha, _, _, _, _ = _row_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
+    E, p, _, alpha, _, _, _, _ = row_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
     dense = alpha.abs()[:, None] * p  # [N, V]
     A = float(alpha.abs().max()) if alpha.numel() else 0.0
     # 1e-3 margin: the implementation decides "small" in fp32, this check in fp64.

@@ -30,7 +30,7 @@ import pytest
 import torch
 from helpers import (
     UNIT_ROUNDOFF,
-    _row_terms,
+    row_terms,
     abs_logit_grad_terms,
     filter_error_bounds,
     grad_error_scales,
@@ -680,7 +680,7 @@ def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant):
     dz = dz + abs_logit_grad_terms(e, c, t, None, up, uplse, **opts)
     scales = grad_error_scales(e, c, t, None, dz, shift=opts.get("shift", False))
     # What dropping the tail without correction would miss, per row: |alpha_i| * tail mass * c_r.
-    E, pp, _, alpha, *_ = _row_terms(e, c, t, None, up, uplse, **opts)
+    E, pp, _, alpha, *_ = row_terms(e, c, t, None, up, uplse, **opts)
     tail = alpha.abs() * pp[:, 20:].sum(1)
     dropped = {"e": float(tail.norm() * c[-1].detach().double().norm()), "c": float(tail.sum() * E[0].norm())}
     for name in ("e", "c"):
