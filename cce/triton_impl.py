@@ -151,8 +151,9 @@ def triton_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, need_dbias, *, sort_vocab: bool = True, record_skip: bool = False,
 ):  # fmt: skip
-    """(dE, dC, dbias) in fp32 (None where not needed) and the kernel's output (skip flags),
-    for upstream gradients g (per-row loss) and h (lse)."""
+    """(dE, dC, dbias) (None where not needed) and the filtered kernel's output (skip flags; None
+    on the exact path), for upstream gradients g (per-row loss) and h (lse). dE and dbias are
+    fp32; dC is fp32 on the filtered path and in c's dtype on the exact path (filter_eps 0)."""
     V = c.shape[0]
     k = _math.LossConsts(label_smoothing, z_loss, V)
     valid = targets != ignore_index
@@ -169,9 +170,9 @@ def triton_backward_coeffs(
     e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
     need_de, need_dc, need_dbias,
 ):  # fmt: skip
-    """(dE, dC, dbias) in fp32 for given per-row coefficients: dZ = (alpha p - beta [v == t] -
-    gamma w) softcap' (gamma None: no smoothing term). For callers that form their own
-    coefficients (cce/distributed.py)."""
+    """(dE, dC, dbias) for given per-row coefficients: dZ = (alpha p - beta [v == t] - gamma w)
+    softcap' (gamma None: no smoothing term). For callers that form their own coefficients
+    (cce/distributed.py). dE, dbias fp32; dC fp32, or c's dtype when filter_eps is 0."""
     return _backward_core(
         e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
         need_de, need_dc, need_dbias, True, False,
@@ -194,8 +195,20 @@ def _backward_core(
     # rank-1; it is then part of every tile's dZ and the filter (whose bound assumes dZ ~ alpha p)
     # is off, as in impl="torch".
     eps = 0.0 if fold else float(filter_eps)
-    perm = vocab_order(e2d, c, bias, r) if (eps > 0 and sort_vocab) else None
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    if eps == 0:
+        # Exact: dZ slabs + cuBLAS (no atomics); every term, smoothing included, is in dZ.
+        dn = K.linear_ce_backward_dense(
+            e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta),
+            srt(gamma) if smoothing else None, softcap, need_de, need_dc, need_dbias,
+        )  # fmt: skip
+        dE = None
+        if dn.dE_sorted is not None:
+            dE = torch.zeros(e2d.shape, dtype=torch.float32, device=dev).index_copy_(
+                0, r.erow_s, dn.dE_sorted
+            )
+        return dE, dn.dC, dn.dbias, None
+    perm = vocab_order(e2d, c, bias, r) if sort_vocab else None
     out = K.linear_ce_backward(
         e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta),
         srt(gamma) if fold else None,

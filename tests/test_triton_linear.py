@@ -99,6 +99,19 @@ def test_shapes(lead, D, V):
     _check(got, ref, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_exact_path_several_slabs(monkeypatch, dtype):
+    """The exact backward walks the vocabulary in dZ slabs; force several (last one partial)."""
+    from cce.kernels import linear_ce as K
+
+    N, V = 40, 150
+    monkeypatch.setattr(K, "DZ_SLAB_BYTES", N * 2 * 32 * (4 if dtype == torch.float32 else 2))
+    opts = {"bias": True, "softcap": 3.0, "label_smoothing": 0.1, "weight": True, "return_lse": True}
+    e, c, t, b, opts = _inputs((N,), 50, V, dtype, opts, seed=12)
+    got, ref = compare_with_reference(_triton, e, c, t, b, seed=5, filter_eps=None, **opts)
+    _check(got, ref, dtype)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored(reduction):
     e, c, t, b, _ = _inputs((20,), 40, 70, torch.float32, {"bias": True}, seed=5)

@@ -235,11 +235,11 @@ def linear_ce_forward(
 @triton.jit
 def _bwd_kernel(
     E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, Beta, Gamma,
-    dE, dC, dBias, R, CSK, Skip,
-    N, V, D, stride_e, stride_c, stride_de, stride_dc, n_vtiles, softcap, eps,
+    dE, dC, dBias, R, CSK, Skip, DZ, InvScale,
+    N, V, D, stride_e, stride_c, stride_de, stride_dc, n_vtiles, softcap, eps, tile0, stride_dz,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, FILTER: tl.constexpr, WRITE_SKIP: tl.constexpr, SCALE_DZ: tl.constexpr,
-    NEED_DE: tl.constexpr, NEED_DC: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    STORE_DZ: tl.constexpr, NEED_DE: tl.constexpr, NEED_DC: tl.constexpr, NEED_DBIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One (token block, vocabulary tile): recompute the logits, form the dense part of dZ and
@@ -253,9 +253,12 @@ def _bwd_kernel(
     With FILTER, a tile whose probabilities are all < eps and that holds no row's target skips
     both gradient matmuls and writes rowsum(dZ) to R[row, tile] and colsum(dZ) to CSK[block, id]
     instead, for the rank-1 corrections (rowsum x mean C_tile, colsum x mean E_block) outside.
+    With STORE_DZ (exact path), the tile of dZ is stored instead, at column (position - tile0 *
+    BLOCK_V) of the [N, slab] buffer DZ, for cuBLAS products outside; rows past n_valid in a
+    partly valid block are stored as zeros.
     """
     pid_n = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    pid_v = tl.program_id(1) + tile0
     n_valid = tl.load(NValid)
     start = pid_n * BLOCK_N
     if start >= n_valid:
@@ -298,6 +301,13 @@ def _bwd_kernel(
     dz = tl.where(mask2, dz, 0.0)
     if NEED_DBIAS:
         tl.atomic_add(dBias + vid, tl.sum(dz, axis=0), mask=col_mask, sem="relaxed")
+    if STORE_DZ:
+        if SCALE_DZ:
+            # fp16: one global scale (1 / max |alpha|) keeps alpha p above fp16's normal range.
+            dz = dz * tl.load(InvScale)
+        dz_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + (offs_p - tile0 * BLOCK_V)[None, :]
+        tl.store(dz_ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None] & col_mask[None, :])
+        return
     if FILTER:
         has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
         skip = (tl.max(tl.max(p, axis=1), axis=0) < eps) & (not has_t)
@@ -416,13 +426,116 @@ def linear_ce_backward(
                 gamma if gamma is not None else dummy,
                 dE if dE is not None else dummy, dC if dC is not None else dummy,
                 db if db is not None else dummy, R if R is not None else dummy,
-                CSK if CSK is not None else dummy, skip if skip is not None else dummy,
-                N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), float(eps),
+                CSK if CSK is not None else dummy, skip if skip is not None else dummy, dummy, dummy,
+                N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), float(eps), 0, 0,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
                 HAS_WEIGHT=weight is not None, SORTED=perm is not None, FILTER=filt,
-                WRITE_SKIP=skip is not None, SCALE_DZ=e2d.dtype == torch.float16,
+                WRITE_SKIP=skip is not None, SCALE_DZ=e2d.dtype == torch.float16, STORE_DZ=False,
                 NEED_DE=need_de, NEED_DC=need_dc, NEED_DBIAS=need_dbias,
                 BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
                 PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
     return BwdOut(dE, dC, db, R, CSK, skip, cfg.BLOCK_N, cfg.BLOCK_V)
+
+
+# Bytes of the exact path's dZ slab ([N, slab] in the operand dtype).
+DZ_SLAB_BYTES = 256 << 20
+
+
+@dataclass
+class DenseOut:
+    dE_sorted: torch.Tensor | None  # fp32 [N, D], rows in the sorted order
+    dC: torch.Tensor | None  # c.dtype [V, D]
+    dbias: torch.Tensor | None  # fp32 [V]
+
+
+def linear_ce_backward_dense(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    erow: torch.Tensor,
+    tgt: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    gamma: torch.Tensor | None,
+    softcap: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+    slab_bytes: int | None = None,
+) -> DenseOut:
+    """Exact backward through vocabulary slabs (no filtering, no atomics on dE / dC).
+
+    For each slab of vocabulary columns the kernel stores dZ[:, slab] (operand dtype, the full
+    dZ including target and smoothing terms); cuBLAS then adds dZ_slab @ C_slab to dE (fp32) and
+    writes dC[slab] = dZ_slab^T @ E_sorted once, in c's dtype (fp32 accumulation inside the
+    GEMM, one rounding), so dC needs no fp32 buffer. Extra memory: the slab (<= slab_bytes)
+    and the sorted rows of e.
+    """
+    _check(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma)
+    N = erow.numel()
+    V, D = c.shape
+    dev = e2d.device
+    cfg = _config(e2d.dtype, "bwd")
+    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
+    f32 = torch.float32
+    esz = e2d.element_size()
+    slab_bytes = DZ_SLAB_BYTES if slab_bytes is None else slab_bytes
+    slab_tiles = max(1, min(n_vtiles, slab_bytes // max(1, N * esz * cfg.BLOCK_V)))
+    slab = slab_tiles * cfg.BLOCK_V
+    dE_s = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
+    dC = torch.empty((V, D), dtype=c.dtype, device=dev) if need_dc else None
+    db = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
+    if N == 0:
+        if dC is not None:
+            dC.zero_()
+        return DenseOut(dE_s, dC, db)
+    # Rows past n_valid are never written by the kernel: zero once, they stay zero.
+    DZ = torch.zeros((N, slab), dtype=e2d.dtype, device=dev)
+    scale = None
+    inv = alpha
+    if e2d.dtype == torch.float16:
+        scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
+        inv = (1.0 / scale).contiguous()
+    E_s = e2d.index_select(0, erow) if need_dc else None
+    dummy = alpha
+    for t0 in range(0, n_vtiles, slab_tiles):
+        nt = min(slab_tiles, n_vtiles - t0)
+        v0, v1 = t0 * cfg.BLOCK_V, min(V, (t0 + nt) * cfg.BLOCK_V)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            _bwd_kernel[(n_blocks, nt)](
+                e2d, c, bias if bias is not None else dummy, weight if weight is not None else dummy,
+                erow, tgt, erow, n_valid, lse, alpha, beta, gamma if gamma is not None else dummy,
+                dummy, dummy, db if db is not None else dummy, dummy, dummy, dummy, DZ, inv,
+                N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), 0.0, t0, slab,
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
+                HAS_WEIGHT=weight is not None, SORTED=False, FILTER=False, WRITE_SKIP=False,
+                SCALE_DZ=scale is not None, STORE_DZ=True, NEED_DE=False, NEED_DC=False,
+                NEED_DBIAS=need_dbias,
+                BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+                PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+        dz = DZ[:, : v1 - v0]
+        if dE_s is not None:
+            dE_s += _mm_f32(dz, c[v0:v1], scale)
+        if dC is not None:
+            if scale is None and c.dtype != f32 and dev.type == "cuda":
+                torch.mm(dz.T, E_s, out=dC[v0:v1])  # fp32 accumulation in the GEMM, one rounding
+            else:
+                dC[v0:v1] = _mm_f32(dz.T, E_s, scale)
+    return DenseOut(dE_s, dC, db)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """a @ b in fp32 (GEMM accumulation in fp32), times ``scale`` if given."""
+    if a.dtype == torch.float32:
+        out = torch.mm(a, b)
+    elif a.is_cuda:
+        out = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        out = torch.mm(a.float(), b.float())
+    return out if scale is None else out * scale
