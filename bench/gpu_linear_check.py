@@ -164,10 +164,84 @@ def timing(shapes, results):
             torch.cuda.empty_cache()
 
 
+def sweep(results, N=8192, D=2304, V=256000):
+    """Forward kernel configs, and the backward split into kernel / torch parts (zipf, bf16)."""
+    from triton.testing import do_bench
+
+    from cce import _math
+    from cce.kernels import linear_ce as K
+    from cce.triton_impl import _Rows, linear_ce_triton_fwd, triton_backward, vocab_order
+
+    e, c, t = make_inputs(N, D, V, "zipf", dtype=torch.bfloat16, device="cuda", seed=3)
+    r = _Rows(t, None, -100)
+    ts = r.safe_t.index_select(0, r.perm)
+    cfgs = [
+        K.KernelConfig(128, 128, 64, 8, 3),
+        K.KernelConfig(128, 128, 64, 8, 4),
+        K.KernelConfig(128, 128, 128, 8, 3),
+        K.KernelConfig(128, 256, 64, 8, 3),
+        K.KernelConfig(256, 128, 64, 8, 3),
+        K.KernelConfig(64, 256, 64, 8, 3),
+        K.KernelConfig(128, 128, 64, 4, 3),
+    ]
+    for cfg in cfgs:
+        try:
+            ms = do_bench(
+                lambda cfg=cfg: K.linear_ce_forward(
+                    e, c, None, None, r.erow_s, ts, r.n_valid, 0.0, False, config=cfg
+                ),
+                warmup=25, rep=100, return_mode="median",
+            )  # fmt: skip
+            row = dict(what="fwd", cfg=str(cfg), ms=ms)
+        except Exception as exc:
+            row = dict(what="fwd", cfg=str(cfg), error=f"{type(exc).__name__}: {exc}"[:300])
+        print(json.dumps(row), flush=True)
+        results["sweep"].append(row)
+    row = dict(what="floor", ms=do_bench(lambda: e @ c.T, warmup=25, rep=100, return_mode="median"))
+    results["sweep"].append(row)
+    eps = 2.0**-12
+    loss, lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)
+    valid = t != -100
+    w_t = _math.target_weight(None, t, valid)
+    g = _math.row_upstream(torch.ones((), device=e.device), w_t, "mean", N)
+    a_, b_, _ = _math.coefficients(g, None, lse, w_t, float(V), valid, _math.LossConsts(0.0, 0.0, V))
+    perm = vocab_order(e, c, None, r)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    parts = {
+        "bwd_total_filtered": lambda: triton_backward(
+            e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False
+        ),
+        "bwd_total_exact": lambda: triton_backward(
+            e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, 0.0, True, True, False
+        ),
+        "bwd_vocab_order": lambda: vocab_order(e, c, None, r),
+        "bwd_kernel_filtered": lambda: K.linear_ce_backward(
+            e, c, None, None, r.erow_s, ts, r.n_valid, srt(lse), srt(a_), srt(b_), None, perm, 0.0, eps,
+            True, True, False,
+        ),
+        "bwd_kernel_filtered_dE_only": lambda: K.linear_ce_backward(
+            e, c, None, None, r.erow_s, ts, r.n_valid, srt(lse), srt(a_), srt(b_), None, perm, 0.0, eps,
+            True, False, False,
+        ),
+        "bwd_kernel_dense": lambda: K.linear_ce_backward_dense(
+            e, c, None, None, r.erow_s, ts, r.n_valid, srt(lse), srt(a_), srt(b_), None, 0.0,
+            True, True, False,
+        ),
+    }  # fmt: skip
+    for name, fn in parts.items():
+        try:
+            row = dict(what=name, ms=do_bench(fn, warmup=10, rep=100, return_mode="median"))
+        except Exception as exc:
+            row = dict(what=name, error=f"{type(exc).__name__}: {exc}"[:300])
+        print(json.dumps(row), flush=True)
+        results["sweep"].append(row)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the mid-size correctness cases")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="forward configs and backward breakdown")
     args = ap.parse_args()
     import triton
 
@@ -178,6 +252,7 @@ def main() -> None:
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         correctness=[],
         timing=[],
+        sweep=[],
     )
     print(
         f"{results['gpu']} torch {results['torch']} triton {results['triton']} {results['date']}", flush=True
@@ -204,6 +279,10 @@ def main() -> None:
         t0 = time.time()
         timing([("gemma2-2b", (8192, 2304, 256000)), ("llama3-8b", (8192, 4096, 128256))], results)
         print(f"timing: {time.time() - t0:.1f} s", flush=True)
+    if args.sweep:
+        t0 = time.time()
+        sweep(results)
+        print(f"sweep: {time.time() - t0:.1f} s", flush=True)
     out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_linear_check.json").write_text(json.dumps(results, indent=1))
@@ -226,6 +305,12 @@ def main() -> None:
             f"{r['fwdbwd_auto_ms']:.2f} ({r['peak_auto_MB']:.0f}) | "
             f"{r['fwdbwd_exact_ms']:.2f} ({r['peak_exact_MB']:.0f}) |"
         )
+
+    if results["sweep"]:
+        print("\n| sweep (gemma2-2b zipf bf16) | ms |")
+        print("|---|---|")
+        for r in results["sweep"]:
+            print(f"| {r['what']} {r.get('cfg', '')} | {r.get('ms', r.get('error', ''))} |")
 
 
 if __name__ == "__main__":

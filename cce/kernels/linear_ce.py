@@ -187,6 +187,7 @@ def linear_ce_forward(
     n_valid: torch.Tensor,
     softcap: float,
     smoothing: bool,
+    config: KernelConfig | None = None,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
@@ -197,7 +198,7 @@ def linear_ce_forward(
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
-    cfg = _config(e2d.dtype, "fwd")
+    cfg = config or _config(e2d.dtype, "fwd")
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
     n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
     # Enough (token block, split) programs for ~8 per SM, so that the last wave is short.
@@ -394,6 +395,7 @@ def linear_ce_backward(
     need_dc: bool,
     need_dbias: bool,
     record_skip: bool = False,
+    config: KernelConfig | None = None,
 ) -> BwdOut:
     """Gradients of the sorted rows ``e2d[erow]`` (tgt, lse, alpha, beta, gamma per sorted row).
 
@@ -404,7 +406,7 @@ def linear_ce_backward(
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
-    cfg = _config(e2d.dtype, "bwd")
+    cfg = config or _config(e2d.dtype, "bwd")
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
     n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
     f32 = torch.float32
