@@ -57,8 +57,13 @@ def make(N, V, dtype, seed=0, scale=2.0, lead=None):
 # correctness
 
 
-def check_case(name, x, t, tol, **kw):
-    """cce vs the fp64 oracle on loss, lse and the gradient under random upstream gradients."""
+def check_case(name, x, t, _tol=None, **kw):
+    """cce vs the fp64 oracle on loss, lse and the gradient under random upstream gradients.
+
+    The gradient is stored in the logits' dtype, so it can be no better than the exact gradient
+    rounded once to that dtype (bf16: up to 2^-8 relative per element; fp16 also underflows below
+    6e-8). Pass: error <= 1.5 x that rounding error + 1e-5 (fp32 accumulation).
+    """
     inplace = kw.pop("inplace_backward", False)
     g = torch.Generator(device=DEV).manual_seed(1)
     leaf = x.detach().clone().requires_grad_()
@@ -72,19 +77,19 @@ def check_case(name, x, t, tol, **kw):
     ref = cross_entropy_reference(x64, t, dtype=torch.float64, **kw)
     refs = ref if isinstance(ref, tuple) else (ref,)
     rtotal = sum((o * u.double()).sum() for o, u in zip(refs, ups, strict=True))
-    (ref_leaf,) = torch.autograd.grad(rtotal, x64)
-    errs = [rel(o, r) for o, r in zip(outs, refs, strict=True)]
-    gerr = rel(gx, ref_leaf)
-    ok = all(e < 1e-5 for e in errs) and gerr < tol and bool(torch.isfinite(gx).all())
-    print(f"  {name:34s} loss/lse err {max(errs):.2e}  grad err {gerr:.2e}  {'ok' if ok else 'FAIL'}")
-    return {"case": name, "loss_err": max(errs), "grad_err": gerr, "ok": ok}
+    (gr,) = torch.autograd.grad(rtotal, x64)
+    errs = [rel(o.detach(), r.detach()) for o, r in zip(outs, refs, strict=True)]
+    gerr = rel(gx, gr)
+    floor = rel(gr.to(x.dtype), gr)
+    ok = all(e < 1e-5 for e in errs) and gerr <= 1.5 * floor + 1e-5 and bool(torch.isfinite(gx).all())
+    print(f"  {name:34s} loss/lse err {max(errs):.2e}  grad err {gerr:.2e} (dtype rounding {floor:.2e})  "
+          f"{'ok' if ok else 'FAIL'}")  # fmt: skip
+    return {"case": name, "loss_err": max(errs), "grad_err": gerr, "grad_rounding": floor, "ok": ok}
 
 
 def correctness():
     res = []
-    # Gradient tolerance: the gradient is rounded to the logits' dtype (bf16 unit 2^-8 -> ~4e-3
-    # relative L2; fp16 2^-11; fp32 exact math in fp32, ~1e-6).
-    tols = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+    tols = {torch.bfloat16: None, torch.float16: None, torch.float32: None}
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x, t = make(512, 32000, dtype, seed=2)
         res.append(check_case(f"{dtype} plain", x, t, tols[dtype]))
@@ -121,8 +126,8 @@ def correctness():
         xr = x.detach()[sl].double().requires_grad_()
         lr = cross_entropy_reference(xr, t[sl], dtype=torch.float64, reduction="none")
         (gr,) = torch.autograd.grad(lr.sum(), xr)
-        errs += [rel(loss[sl], lr), rel(gx[sl], gr)]
-    ok = errs[0] < 1e-5 and errs[2] < 1e-5 and errs[1] < 8e-3 and errs[3] < 8e-3
+        errs += [rel(loss[sl].detach(), lr.detach()), rel(gx[sl], gr)]
+    ok = errs[0] < 1e-5 and errs[2] < 1e-5 and errs[1] < 8e-3 and errs[3] < 8e-3  # 2 x bf16's 2^-8
     print(f"  N*V={N * V} > 2^31 rows 0/-1: {errs}  {'ok' if ok else 'FAIL'}")
     res.append({"case": "N*V>2^31", "errs": errs, "ok": ok})
     del x, xl, gx, loss
@@ -134,7 +139,7 @@ def correctness():
 # timing
 
 
-def time_iters(setup, fn, iters=15, warmup=3):
+def time_iters(setup, fn, iters=15, warmup=3, raw=False):
     """Median ms of fn(*setup()) with each call timed alone (setup outside the timed region)."""
     times = []
     for i in range(warmup + iters):
@@ -148,7 +153,7 @@ def time_iters(setup, fn, iters=15, warmup=3):
         if i >= warmup:
             times.append(a.elapsed_time(b))
         del args
-    return statistics.median(times)
+    return times if raw else statistics.median(times)
 
 
 def copy_bandwidth(nbytes):
@@ -170,34 +175,54 @@ def peak_extra(setup, fn):
     return peak / 2**20
 
 
+FWD_CONFIGS = [(4096, 4, 1), (8192, 4, 1), (4096, 8, 1), (2048, 2, 1), (4096, 4, 2)]
+BWD_CONFIGS = [
+    (4096, 8, 1),
+    (8192, 8, 1),
+    (16384, 16, 1),
+    (8192, 4, 1),
+    (16384, 8, 1),
+    (4096, 8, 2),
+    (8192, 8, 2),
+]
+
+
 def sweep(N, V):
-    """Times the forward and backward launchers alone over a few (BLOCK_V, num_warps)."""
+    """Times the forward and backward launchers alone over (BLOCK_V, num_warps, splits)."""
     x, t = make(N, V, torch.bfloat16, seed=7)
     lse, _, _ = K.ce_forward(x, t, None, -100, 0.0, False)
     a = torch.rand(N, device=DEV)
     z = torch.zeros(N, device=DEV)
-    out = {}
+    out = {"fwd": {}, "bwd": {}}
     nbytes = N * V * 2
-    for bv, nw in [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]:
+    for bv, nw, sp in FWD_CONFIGS:
 
-        def fwd(bv=bv, nw=nw):
-            K.ce_forward(x, t, None, -100, 0.0, False, block_v=bv, num_warps=nw)
-
-        def bwd(bv=bv, nw=nw):
-            K.ce_backward(x, t, None, lse, a, a, z, -100, 0.0, False, inplace=True, block_v=bv, num_warps=nw)
+        def fwd(bv=bv, nw=nw, sp=sp):
+            K.ce_forward(x, t, None, -100, 0.0, False, block_v=bv, num_warps=nw, splits=sp)
 
         f = time_iters(lambda: (), fwd)
+        out["fwd"][(bv, nw, sp)] = f
+        print(
+            f"  V={V} fwd BLOCK_V={bv:5d} warps={nw:2d} splits={sp}: {f:.3f} ms ({nbytes / f / 1e9:.2f} TB/s)"
+        )
+    for bv, nw, sp in BWD_CONFIGS:
+
+        def bwd(bv=bv, nw=nw, sp=sp):
+            K.ce_backward(x, t, None, lse, a, a, z, -100, 0.0, False, inplace=True, block_v=bv, num_warps=nw,
+                          splits=sp)  # fmt: skip
+
         b = time_iters(lambda: (), bwd)
-        out[f"{bv}x{nw}"] = {
-            "fwd_ms": f,
-            "bwd_ms": b,
-            "fwd_TBs": nbytes / f / 1e9,
-            "bwd_TBs": 2 * nbytes / b / 1e9,
-        }
-        print(f"  V={V} BLOCK_V={bv:5d} warps={nw:2d}: fwd {f:.3f} ms ({nbytes / f / 1e9:.2f} TB/s)  "
-              f"bwd {b:.3f} ms ({2 * nbytes / b / 1e9:.2f} TB/s)")  # fmt: skip
+        out["bwd"][(bv, nw, sp)] = b
+        tbs = 2 * nbytes / b / 1e9
+        print(f"  V={V} bwd BLOCK_V={bv:5d} warps={nw:2d} splits={sp}: {b:.3f} ms ({tbs:.2f} TB/s)")
     torch.cuda.empty_cache()
     return out
+
+
+def pick(sweeps, key):
+    """The config with the smallest total time over the swept shapes."""
+    cfgs = sweeps[next(iter(sweeps))][key]
+    return min(cfgs, key=lambda c: sum(sw[key][c] for sw in sweeps.values()))
 
 
 def providers():
@@ -226,31 +251,95 @@ def providers():
     return ps
 
 
-def bench_shape(N, V, ps):
+def bench_shape(N, V, ps, rounds=3, iters=6):
     buf, t = make(N, V, torch.bfloat16, seed=11)
     leaf = buf.requires_grad_()
     nbytes = N * V * 2
-    rows = {}
-    for name, f in ps.items():
-        # A fresh non-leaf intermediate per call, made outside the timed region.
-        def setup_x():
-            return (leaf.clone(),)
 
-        def run(x, f=f):
+    def setup_x():  # a fresh non-leaf intermediate per call, made outside the timed region
+        return (leaf.clone(),)
+
+    def runner(f):
+        def run(x):
             loss = f(x, t)
             (g,) = torch.autograd.grad(loss, x)
             return g
 
-        try:
-            ms = time_iters(setup_x, run, iters=10 if name == "torch_eager" else 15)
-            mem = peak_extra(setup_x, run)
-        except torch.OutOfMemoryError as exc:
-            print(f"  {name}: OOM {exc}")
+        return run
+
+    times = {name: [] for name in ps}
+    for _ in range(rounds):  # providers interleaved: drifts of the GPU's state hit all of them
+        for name, f in ps.items():
+            if times[name] is None:
+                continue
+            try:
+                times[name] += time_iters(setup_x, runner(f), iters=iters, warmup=2, raw=True)
+            except torch.OutOfMemoryError as exc:
+                print(f"  {name}: OOM {exc}")
+                times[name] = None
+            torch.cuda.empty_cache()
+    rows = {}
+    for name, f in ps.items():
+        if not times[name]:
             continue
-        rows[name] = {"ms": ms, "extra_MB": mem, "TBs_3NV": 3 * nbytes / ms / 1e9}
-        print(f"  V={V} {name:14s} {ms:7.3f} ms  {3 * nbytes / ms / 1e9:5.2f} TB/s(3NV)  extra {mem:8.1f} MB")
+        ms = statistics.median(times[name])
+        mem = peak_extra(setup_x, runner(f))
         torch.cuda.empty_cache()
+        rows[name] = {"ms": ms, "extra_MB": mem, "TBs_3NV": 3 * nbytes / ms / 1e9, "n": len(times[name]),
+                      "min_ms": min(times[name]), "max_ms": max(times[name])}  # fmt: skip
+        print(f"  V={V} {name:26s} {ms:7.3f} ms (min {min(times[name]):.3f})  "
+              f"{3 * nbytes / ms / 1e9:5.2f} TB/s(3NV)  extra {mem:8.1f} MB")  # fmt: skip
     return rows, nbytes
+
+
+def overhead(ps):
+    """fwd+bwd of a tiny problem: the fixed cost of a call (Python, launches, small ops)."""
+    x0, t = make(64, 1024, torch.bfloat16, seed=12)
+    leaf = x0.requires_grad_()
+    res = {}
+    for name in ("cce", "cce_inplace", "liger"):
+        if name not in ps:
+            continue
+        f = ps[name]
+
+        def run(x, f=f):
+            (g,) = torch.autograd.grad(f(x, t), x)
+            return g
+
+        res[name] = time_iters(lambda: (leaf.clone(),), run, iters=20)
+        print(f"  tiny (64 x 1024) {name}: {res[name] * 1e3:.0f} us")
+    return res
+
+
+def profile_once(N, V):
+    """Kernel timeline of one cce fwd+bwd (device times, us from the first kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x0, t = make(N, V, torch.bfloat16, seed=13)
+    leaf = x0.requires_grad_()
+    for _ in range(2):
+        x = leaf.clone()
+        torch.autograd.grad(cross_entropy(x, t), x)
+    x = leaf.clone()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        (g,) = torch.autograd.grad(cross_entropy(x, t), x)
+        torch.cuda.synchronize()
+    kern = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
+    )
+    cpu = [e for e in prof.events() if e.device_type.name == "CPU"]
+    t0 = min(e.time_range.start for e in cpu) if cpu else kern[0].time_range.start
+    lines = []
+    for e in kern:
+        lines.append(
+            f"{e.time_range.start - t0:9.1f} {e.time_range.end - e.time_range.start:8.1f}  {e.name[:60]}"
+        )
+    busy = sum(e.time_range.end - e.time_range.start for e in kern)
+    span = kern[-1].time_range.end - kern[0].time_range.start
+    print(f"  profile V={V}: {len(kern)} kernels, first kernel starts {kern[0].time_range.start - t0:.0f} us "
+          f"after the first CPU op, span {span:.0f} us, busy {busy:.0f} us")  # fmt: skip
+    return {"kernels": lines, "span_us": span, "busy_us": busy}
 
 
 def main():
@@ -282,14 +371,32 @@ def main():
     print(f"  ({time.time() - t0:.0f} s)")
     if args.sweep:
         print("config sweep:")
-        result["sweep"] = {V: sweep(8192, V) for V in (256000, 128256)}
+        sw = {V: sweep(8192, V) for V in (256000, 128256)}
+        fcfg, bcfg = pick(sw, "fwd"), pick(sw, "bwd")
+        print(f"  picked fwd {fcfg}, bwd {bcfg}")
+        result["sweep"] = {
+            str(V): {k: {str(c): ms for c, ms in d.items()} for k, d in v.items()} for V, v in sw.items()
+        }
+        result["picked"] = {"fwd": fcfg, "bwd": bcfg}
+
+        def cfg(dtype, backward, f=fcfg, b=bcfg):  # bf16 timings below use the picked configs
+            return b if backward else f
+
+        K.default_config = cfg
+    result["default_config"] = {"fwd": K.default_config(torch.bfloat16, False),
+                                "bwd": K.default_config(torch.bfloat16, True)}  # fmt: skip
     ps = providers()
+    print("overhead:")
+    result["overhead_ms"] = overhead(ps)
+    result["profile"] = {V: profile_once(8192, V) for V in (128256,)}
     result["shapes"] = {}
     for V in (256000, 128256):
         bw = copy_bandwidth(8192 * V * 2)
         print(f"copy bandwidth (N*V bf16): {bw:.2f} TB/s")
         rows, nbytes = bench_shape(8192, V, ps)
         result["shapes"][V] = {"copy_TBs": bw, "rows": rows}
+    for line in result["profile"][128256]["kernels"]:
+        print("   ", line)
     print(f"total {time.time() - t0:.0f} s")
     # Summary table (last in the output).
     print("\n| V | provider | fwd+bwd ms | TB/s (3NV·2) | % of copy | extra MB |")

@@ -11,11 +11,15 @@ from cce.reference import cross_entropy_reference
 
 pytestmark = pytest.mark.gpu
 
-# The gradient is stored in the logits' dtype: relative L2 error of rounding to bf16 is ~2^-9..2^-8
-# (4e-3 at most), fp16 ~2^-12, fp32 only accumulation-order error. Loss and lse are fp32 sums
-# (errors ~1e-6). Bounds are about twice those figures.
-GRAD_TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+# Loss and lse are fp32 sums (errors ~1e-6). The gradient is stored in the logits' dtype, so it can
+# be no better than the exact gradient rounded once to that dtype (bf16: up to 2^-8 relative per
+# element; fp16 also flushes entries below 6e-8, which dominates its error at large V): the bound
+# is 1.5 x that rounding error, plus 1e-5 for fp32 accumulation.
 LOSS_TOL = 2e-5
+
+
+def grad_tol(ref: torch.Tensor, dtype: torch.dtype) -> float:
+    return 1.5 * rel_err(ref.to(dtype), ref) + 1e-5
 
 
 def _inputs(lead, V, dtype, ignore_frac=0.1, scale=3.0, seed=0):
@@ -40,10 +44,10 @@ def _check(x, t, dtype, *, inplace=False, seed=1, **kw):
     (gr,) = torch.autograd.grad(sum((o * u.double()).sum() for o, u in zip(refs, ups, strict=True)), x64)
     for o, r in zip(outs, refs, strict=True):
         assert o.dtype == torch.float32 and o.shape == r.shape
-        assert rel_err(o, r) < LOSS_TOL
+        assert rel_err(o.detach(), r.detach()) < LOSS_TOL
     assert gx.dtype == x.dtype and gx.shape == x.shape
     assert torch.isfinite(gx).all()
-    assert rel_err(gx, gr) < GRAD_TOL[dtype]
+    assert rel_err(gx, gr) <= grad_tol(gr, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -118,5 +122,5 @@ def test_int64_offsets_large():
         xr = x.detach()[sl].double().requires_grad_()
         lr = cross_entropy_reference(xr, t[sl], dtype=torch.float64, reduction="none")
         (gr,) = torch.autograd.grad(lr.sum(), xr)
-        assert rel_err(loss[sl], lr) < LOSS_TOL
-        assert rel_err(g[sl], gr) < GRAD_TOL[torch.bfloat16]
+        assert rel_err(loss[sl].detach(), lr.detach()) < LOSS_TOL
+        assert rel_err(g[sl], gr) <= grad_tol(gr, torch.bfloat16)

@@ -44,7 +44,7 @@ def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
     """
     if HAS_SOFTCAP:
         y = x / softcap
-        e = tl.exp2((-2.0 * LOG2E) * tl.abs(y))
+        e = tl.exp2(tl.abs(y) * (-2.0 * LOG2E))  # tensor first (interpreter: constexpr * tensor fails)
         th = (1.0 - e) / (1.0 + e)
         th = tl.where(y < 0, -th, th)
         return softcap * th, th
@@ -242,23 +242,30 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(dtype: torch.dtype, backward: bool) -> tuple[int, int]:
-    """(BLOCK_V, num_warps). One fixed config under the interpreter (small blocks: it is slow)."""
+def default_config(dtype: torch.dtype, backward: bool) -> tuple[int, int, int]:
+    """(BLOCK_V, num_warps, min_splits). One fixed config under the interpreter (it is slow).
+
+    ``min_splits`` > 1 cuts every row into that many programs even when rows are plentiful, which
+    shortens the last, partly filled wave of programs.
+    """
     if _interpreting():
-        return 256, 4
-    # 16 KB of logits per block: 8 bf16 (16 bytes) per thread and load, 4 loads in flight per
-    # thread with 8 warps; fp32 logits get half as many classes per block.
-    if dtype == torch.float32:
-        return 2048, 8
-    return 4096, 8
+        return 256, 4, 1
+    # Measured on an H100 (bench/gpu_ce_check.py --sweep, bf16, N = 8192, V = 256000 / 128256).
+    # Blocks of 8 to 32 KB of logits, i.e. two to four 16-byte loads per thread in flight.
+    scale = 2 if dtype == torch.float32 else 1  # fp32: half as many classes per block
+    if backward:
+        return 4096 // scale, 8, 1
+    return 4096 // scale, 4, 1
 
 
-def split_plan(N: int, V: int, block_v: int, device: torch.device, splits: int | None = None):
+def split_plan(
+    N: int, V: int, block_v: int, device: torch.device, splits: int | None = None, min_splits: int = 1
+):
     """(n_splits, v_per_split): split rows over programs when there are too few rows to fill the GPU."""
     n_blocks = triton.cdiv(V, block_v)
     if splits is None:
         want = 4 * _num_sms(device)
-        splits = 1 if N >= want else triton.cdiv(want, max(N, 1))
+        splits = max(min_splits, 1 if N >= want else triton.cdiv(want, max(N, 1)))
     splits = max(1, min(int(splits), n_blocks))
     v_per_split = triton.cdiv(n_blocks, splits) * block_v
     return triton.cdiv(V, v_per_split), v_per_split
@@ -320,7 +327,7 @@ def ce_forward(
     cfg = default_config(logits.dtype, backward=False)
     block_v = block_v or cfg[0]
     num_warps = num_warps or cfg[1]
-    n_splits, v_per_split = split_plan(N, V, block_v, dev, splits)
+    n_splits, v_per_split = split_plan(N, V, block_v, device=dev, splits=splits, min_splits=cfg[2])
     x, stride_n, row_off = row_layout(logits)
     w, has_w = _weight_arg(weight, smoothing, lse)
     split = n_splits > 1
@@ -381,7 +388,7 @@ def ce_backward(
     cfg = default_config(logits.dtype, backward=True)
     block_v = block_v or cfg[0]
     num_warps = num_warps or cfg[1]
-    n_splits, v_per_split = split_plan(N, V, block_v, logits.device, splits)
+    n_splits, v_per_split = split_plan(N, V, block_v, device=logits.device, splits=splits, min_splits=cfg[2])
     x, stride_n, row_off = row_layout(src)
     if inplace:
         stride_dn = stride_n
