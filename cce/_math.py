@@ -95,9 +95,7 @@ def reduce_loss(loss_tok: torch.Tensor, w_t: torch.Tensor, reduction: str) -> to
     return total / mean_denominator(w_t)
 
 
-def row_upstream(
-    grad_loss: torch.Tensor, w_t: torch.Tensor, reduction: str, n: int
-) -> torch.Tensor:
+def row_upstream(grad_loss: torch.Tensor, w_t: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
     """g_i: the gradient reaching each token's loss from the reduced loss' gradient."""
     if reduction == "none":
         return grad_loss.float()

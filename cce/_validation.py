@@ -41,9 +41,7 @@ def check_targets_dtype(targets: torch.Tensor) -> None:
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(
-            f"targets must hold integer class ids (int64/int32), got dtype {targets.dtype}"
-        )
+        raise TypeError(f"targets must hold integer class ids (int64/int32), got dtype {targets.dtype}")
 
 
 def check_vector(name: str, t: torch.Tensor | None, V: int) -> None:
@@ -97,7 +95,7 @@ def check_linear_inputs(
     check_float("c", c)
     check_targets_dtype(targets)
     if e.dim() < 1:
-        raise ValueError(f"e must have shape (..., D), got a 0-d tensor")
+        raise ValueError("e must have shape (..., D), got a 0-d tensor")
     if c.dim() != 2:
         raise ValueError(f"c must be 2-D (V, D), got shape {tuple(c.shape)}")
     if c.shape[1] != e.shape[-1]:

@@ -77,8 +77,18 @@ def linear_cross_entropy_with_options(
     need_de, need_dc, need_db = _needs_grad(e), _needs_grad(c), _needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)
     args = (
-        e2d, c, bias, weight, rows, tgt, opts.ignore_index, opts.reduction, opts.softcap_value,
-        float(opts.label_smoothing), float(opts.z_loss), eps,
+        e2d,
+        c,
+        bias,
+        weight,
+        rows,
+        tgt,
+        opts.ignore_index,
+        opts.reduction,
+        opts.softcap_value,
+        float(opts.label_smoothing),
+        float(opts.z_loss),
+        eps,
     )
     if impl == "torch":
         from .torch_impl import linear_ce_torch_fwd
@@ -149,8 +159,14 @@ def linear_cross_entropy(
         Gradients come back in each input's dtype; inputs are never modified.
     """
     opts = CCEOptions(
-        ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap,
-        label_smoothing=label_smoothing, z_loss=z_loss, filter_eps=filter_eps, impl=impl,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        shift=shift,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        filter_eps=filter_eps,
+        impl=impl,
         return_lse=return_lse,
     )
     return linear_cross_entropy_with_options(e, c, targets, bias, weight, opts)
@@ -179,8 +195,14 @@ class LinearCrossEntropy(nn.Module):
     ) -> None:
         super().__init__()
         self.options = CCEOptions(
-            ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap,
-            label_smoothing=label_smoothing, z_loss=z_loss, filter_eps=filter_eps, impl=impl,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            shift=shift,
+            softcap=softcap,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            filter_eps=filter_eps,
+            impl=impl,
             return_lse=return_lse,
         )
         self.register_buffer("weight", weight)

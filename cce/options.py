@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Union
+from typing import Literal
 
 import torch
 
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "triton", "torch"]
-FilterEps = Union[float, Literal["auto"], None]
+FilterEps = float | Literal["auto"] | None
 
 _REDUCTIONS = ("mean", "sum", "none")
 _IMPLS = ("auto", "triton", "torch")

@@ -23,8 +23,8 @@ import torch
 
 from . import _math
 
-# Bytes of chunk-sized temporaries (logits, probabilities, tanh) allowed at once.
-CHUNK_BYTES = 64 << 20
+# Bytes of chunk-sized temporaries (the logits / gradient chunk, and tanh with softcap).
+CHUNK_BYTES = 48 << 20
 # Vocabulary block of the CPU gradient filter.
 FILTER_BLOCK_V = 128
 
@@ -33,14 +33,15 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """a @ b accumulated and returned in ``acc``; a is cast to b's dtype first."""
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b accumulated and returned in ``acc`` (into ``out`` if given); a is cast to b's dtype."""
     if b.dtype == acc:
-        return torch.mm(a.to(acc), b)
+        return torch.mm(a.to(acc), b, out=out)
     a = a.to(b.dtype)
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=acc)
-    return torch.mm(a, b).to(acc)
+        return torch.mm(a, b, out_dtype=acc, out=out)
+    r = torch.mm(a, b).to(acc)
+    return r if out is None else out.copy_(r)
 
 
 def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int = 8192) -> None:
@@ -101,9 +102,13 @@ class _Problem:
         ec = self.e2d[erow] if isinstance(erow, slice) else self.e2d.index_select(0, erow)
         return ec.to(self.acc) if self.cpu else ec
 
-    def logits(self, ec: torch.Tensor):
-        """(L, th): fp32 logits of the chunk and tanh(z / softcap) (None without softcap)."""
-        z = _mm(ec, self.c_op.T, self.acc)  # [n, V]
+    def logits(self, ec: torch.Tensor, buf: torch.Tensor):
+        """(L, th): fp32 logits of the chunk and tanh(z / softcap) (None without softcap).
+
+        The logits are written into ``buf`` (one chunk buffer reused for every chunk, so that two
+        chunks never coexist and no chunk pays fresh page faults).
+        """
+        z = _mm(ec, self.c_op.T, self.acc, out=buf[: ec.shape[0]])  # [n, V]
         if self.bias is not None:
             z += self.bias
         if self.softcap > 0:
@@ -111,8 +116,12 @@ class _Problem:
             return th * self.softcap, th
         return z, None
 
-    def stats(self, L: torch.Tensor, tc: torch.Tensor):
-        """lse, target logit, weighted logit sum of a chunk; L becomes exp(L - max) in place."""
+    def stats_(self, L: torch.Tensor, tc: torch.Tensor):
+        """(lse, tgt, ssum, rowsum) of a chunk; L becomes exp(L - rowmax) in place.
+
+        In place and without a chunk-sized temporary (torch.logsumexp would allocate one); the
+        softmax is then L / rowsum.
+        """
         tgt = L.gather(1, tc[:, None]).squeeze(1)
         ssum = None
         if self.k.smoothing:
@@ -120,8 +129,20 @@ class _Problem:
         m = L.amax(1)
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         L.sub_(m[:, None]).exp_()
-        lse = m + L.sum(1).log()
-        return lse, tgt, ssum
+        rowsum = L.sum(1)
+        return m + rowsum.log(), tgt, ssum, rowsum
+
+    def scaled_softmax_(self, L: torch.Tensor, lse: torch.Tensor, alpha: torch.Tensor) -> None:
+        """L := alpha_i * softmax(L)_iv in place, from the saved lse (backward recompute).
+
+        With alpha >= 0 the scale folds into the exponent, exp(L - (lse - log alpha)), saving a
+        pass over the chunk (alpha = 0 gives exp(-inf) = 0). The sign test needs the values on the
+        host, so it only runs on CPU.
+        """
+        if self.cpu and bool((alpha >= 0).all()):
+            L.sub_((lse - torch.log(alpha))[:, None]).exp_()
+        else:
+            L.sub_(lse[:, None]).exp_().mul_(alpha[:, None])
 
     @property
     def block_means(self) -> torch.Tensor:
@@ -144,78 +165,91 @@ class _Problem:
             self._wC = c.sum(0) if self.weight is None else self.weight @ c
         return self._wC
 
-    def grads(self, ec, tc, P, th, alpha, beta, gamma, dE_c, dC, dbias, corr):
-        """Accumulates one chunk's gradient. P holds exp(L - m) / s = softmax (consumed in place).
+    def kept_blocks(self, P: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
+        """[n_blocks] bool: vocab blocks to compute exactly in this chunk (None: all of them).
 
-        dZ = (alpha P - beta onehot(t) - gamma w) * softcap'(z); the dense part alpha P is
-        filtered per vocab block, the target and (without softcap) smoothing terms are exact.
+        P holds alpha_i p_iv. A block is filtered when every |alpha_i p_iv| in it is below
+        eps * max_i |alpha_i| (for mean/sum without weights or z-loss alpha is the same for all
+        rows, so this is exactly "every probability below eps").
         """
-        n = P.shape[0]
-        keep = None
-        if self.eps > 0:
-            B = FILTER_BLOCK_V
-            nb = math.ceil(self.V / B)
-            colmax = P.amax(0)
-            pad = nb * B - self.V
-            if pad:
-                colmax = torch.nn.functional.pad(colmax, (0, pad))
-            keep = colmax.view(nb, B).amax(1) >= self.eps  # [nb]
-            n_keep = int(keep.sum())
-            if n_keep == nb:
-                keep = None
+        if self.eps <= 0:
+            return None
+        B = FILTER_BLOCK_V
+        nb = math.ceil(self.V / B)
+        colmax = P.amax(0) if bool((alpha >= 0).all()) else P.abs().amax(0)  # CPU only
+        colmax = torch.nn.functional.pad(colmax, (0, nb * B - self.V))
+        keep = colmax.view(nb, B).amax(1) >= self.eps * alpha.abs().max()
+        return None if bool(keep.all()) else keep
+
+    def grads(self, ec, tc, P, th, alpha, beta, gamma, need_de, dC, dbias, corr):
+        """One chunk's gradient; returns dE of the chunk's rows (or None), accumulates dC, dbias.
+
+        P holds alpha_i p_iv and is consumed in place. dZ = (alpha P - beta onehot(t) - gamma w)
+        * softcap'(z). When no vocab block is filtered, every term is folded into one dense dZ
+        (two matmuls). Otherwise the dense part alpha P is filtered per vocab block (skipped
+        blocks contribute a rank-1 correction), and the target and (without softcap) smoothing
+        terms are added exactly, so that filtering never touches them.
+        """
+        keep = self.kept_blocks(P, alpha)
+        dense = keep is None
+        w = self.weight
         sc = None
         if th is not None:
             sc = th.square_().neg_().add_(1.0)  # softcap'(z) = 1 - tanh^2, in place of th
-        P.mul_(alpha[:, None])
-        if self.fold_smoothing:
-            w = self.weight if self.weight is not None else torch.ones_like(P[0])
-            P.addr_(gamma, w, alpha=-1.0)
+        fold_smoothing = self.k.smoothing and (dense or self.fold_smoothing)
+        if fold_smoothing:
+            P.addr_(gamma, w if w is not None else torch.ones_like(P[0]), alpha=-1.0)
         if sc is not None:
             P.mul_(sc)
             bt = beta * sc.gather(1, tc[:, None]).squeeze(1)
         else:
             bt = beta
-        cs = P.sum(0) if (dbias is not None or (keep is not None and dC is not None)) else None
+        if dense:
+            P.scatter_add_(1, tc[:, None], -bt[:, None])
         if dbias is not None:
-            dbias += cs
-            dbias.index_add_(0, tc, -bt)
-            if self.k.smoothing and not self.fold_smoothing:
-                w = self.weight if self.weight is not None else torch.ones_like(dbias)
-                dbias.add_(w, alpha=-float(gamma.sum()))
-        if keep is None:
-            if dE_c is not None:
-                dE_c += _mm(P, self.c_op, self.acc)
+            dbias += P.sum(0)
+        if dense:  # P is the whole dZ of the chunk
             if dC is not None:
                 _addmm_(dC, P.T, ec)
-        else:
-            B = FILTER_BLOCK_V
-            vid = torch.arange(self.V, device=P.device)
-            col_keep = keep[vid // B]
-            kcols = col_keep.nonzero().squeeze(1)
-            if kcols.numel():
-                Pk = P.index_select(1, kcols)
-                if dE_c is not None:
-                    dE_c += _mm(Pk, self.c_op.index_select(0, kcols), self.acc)
-                if dC is not None:
-                    dC.index_add_(0, kcols, _mm(Pk.T, ec, self.acc))
-            # Skipped tiles: rowsum(P_tile) (outer) mean(C_tile) to dE, colsum (outer) mean(E) to dC.
-            skip = ~keep
-            if dE_c is not None:
-                blk = torch.zeros(n, keep.numel(), dtype=P.dtype, device=P.device)
-                blk.index_add_(1, vid // B, P)
-                dE_c += blk[:, skip] @ self.block_means[skip]
+            return _mm(P, self.c_op, self.acc) if need_de else None
+
+        n = P.shape[0]
+        B = FILTER_BLOCK_V
+        vid = torch.arange(self.V, device=P.device)
+        col_keep = keep[vid // B]
+        kcols = col_keep.nonzero().squeeze(1)
+        dE_c = torch.zeros(n, self.D, dtype=self.acc, device=P.device) if need_de else None
+        if kcols.numel():
+            Pk = P.index_select(1, kcols)
+            if need_de:
+                dE_c += _mm(Pk, self.c_op.index_select(0, kcols), self.acc)
             if dC is not None:
-                corr.append((torch.where(col_keep, 0.0, cs), ec.to(self.acc).mean(0)))
-        if dE_c is not None:
+                dC.index_add_(0, kcols, _mm(Pk.T, ec, self.acc))
+        # Skipped blocks: rowsum(P_blk) (outer) mean(C_blk) to dE, colsum (outer) mean(E rows) to dC.
+        skip = ~keep
+        if need_de:
+            blk = torch.zeros(n, keep.numel(), dtype=P.dtype, device=P.device)
+            blk.index_add_(1, vid // B, P)
+            dE_c += blk[:, skip] @ self.block_means[skip]
+        if dC is not None:
+            corr.append((torch.where(col_keep, 0.0, P.sum(0)), ec.to(self.acc).mean(0)))
+        # Exact terms outside the filter.
+        unfolded_smoothing = self.k.smoothing and not fold_smoothing
+        if dbias is not None:
+            dbias.index_add_(0, tc, -bt)
+            if unfolded_smoothing:
+                dbias.add_(w if w is not None else torch.ones_like(dbias), alpha=-float(gamma.sum()))
+        if need_de:
             dE_c -= bt[:, None] * self.c_op.index_select(0, tc).to(self.acc)
-            if self.k.smoothing and not self.fold_smoothing:
+            if unfolded_smoothing:
                 dE_c -= gamma[:, None] * self.wC
         if dC is not None:
             ecf = ec.to(self.acc)
             dC.index_add_(0, tc, -(bt[:, None] * ecf))
-            if self.k.smoothing and not self.fold_smoothing:
-                w = self.weight if self.weight is not None else torch.ones(self.V, dtype=self.acc, device=ec.device)
-                dC.addr_(w, gamma @ ecf, alpha=-1.0)
+            if unfolded_smoothing:
+                wv = w if w is not None else torch.ones(self.V, dtype=self.acc, device=ec.device)
+                dC.addr_(wv, gamma @ ecf, alpha=-1.0)
+        return dE_c
 
     def run(self, g, h, lse_in, need_de, need_dc, need_dbias):
         """One pass over the chunks: statistics always; gradients if g is given.
@@ -232,29 +266,32 @@ class _Problem:
         dC = torch.zeros(self.V, self.D, dtype=acc, device=dev) if (want_grad and need_dc) else None
         dbias = torch.zeros(self.V, dtype=acc, device=dev) if (want_grad and need_dbias) else None
         corr: list = []
+        buf = torch.empty(min(self.chunk, max(self.n_rows, 1)), self.V, dtype=acc, device=dev)
         for prow, erow in self.chunks():
             ec = self.e_rows(erow)
             tc = self.safe_t[prow]
-            L, th = self.logits(ec)
-            lse_c, tgt_c, ssum_c = self.stats(L, tc)  # L is now exp(L - m)
+            L, th = self.logits(ec, buf)
+            rowsum = None
             if lse_in is None:
+                lse_c, tgt_c, ssum_c, rowsum = self.stats_(L, tc)
                 lse[prow] = lse_c
                 tgt[prow] = tgt_c
                 if ssum is not None:
                     ssum[prow] = ssum_c
+            else:
+                lse_c = lse[prow]
             if not want_grad:
                 continue
-            L.div_(L.sum(1, keepdim=True))  # softmax
-            valid = self.valid[prow]
             hc = None if h is None else h[prow]
             alpha, beta, gamma = _math.coefficients(
-                g[prow], hc, lse[prow], self.w_t[prow], self.W, valid, self.k
+                g[prow], hc, lse_c.float(), self.w_t[prow], self.W, self.valid[prow], self.k
             )
             alpha, beta, gamma = alpha.to(acc), beta.to(acc), gamma.to(acc)
-            dE_c = None
-            if dE is not None:
-                dE_c = torch.zeros(ec.shape[0], self.D, dtype=acc, device=dev)
-            self.grads(ec, tc, L, th, alpha, beta, gamma, dE_c, dC, dbias, corr)
+            if rowsum is None:
+                self.scaled_softmax_(L, lse_c, alpha)
+            else:
+                L.mul_((alpha / rowsum)[:, None])  # alpha * softmax, normalisation folded in
+            dE_c = self.grads(ec, tc, L, th, alpha, beta, gamma, dE is not None, dC, dbias, corr)
             if dE is not None:
                 if isinstance(erow, slice):
                     dE[erow] = dE_c
@@ -292,14 +329,17 @@ def linear_ce_torch_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse, dE, dC, dbias); the gradients are for a unit upstream gradient and only
     computed (else empty) when ``precompute``."""
-    pb = _Problem(e2d, c, bias, weight, rows, targets, ignore_index, softcap, label_smoothing, z_loss, filter_eps)
+    pb = _Problem(
+        e2d, c, bias, weight, rows, targets, ignore_index, softcap, label_smoothing, z_loss, filter_eps
+    )
     g = None
     if precompute:
         ones = torch.ones((), dtype=torch.float32, device=e2d.device)
         g = _math.row_upstream(ones, pb.w_t, reduction, pb.N)
     lse, tgt, ssum, dE, dC, dbias = pb.run(g, None, None, need_de, need_dc, need_dbias)
-    loss_tok = _math.token_loss(lse.float(), tgt.float(), None if ssum is None else ssum.float(),
-                                pb.w_t, pb.W, pb.valid, pb.k)
+    loss_tok = _math.token_loss(
+        lse.float(), tgt.float(), None if ssum is None else ssum.float(), pb.w_t, pb.W, pb.valid, pb.k
+    )
     loss = _math.reduce_loss(loss_tok, pb.w_t, reduction)
     lse_out = torch.where(pb.valid, lse.float(), 0.0)
     return (
@@ -312,8 +352,24 @@ def linear_ce_torch_fwd(
 
 
 @linear_ce_torch_fwd.register_fake
-def _(e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
-      filter_eps, precompute, need_de, need_dc, need_dbias):
+def _(
+    e2d,
+    c,
+    bias,
+    weight,
+    rows,
+    targets,
+    ignore_index,
+    reduction,
+    softcap,
+    label_smoothing,
+    z_loss,
+    filter_eps,
+    precompute,
+    need_de,
+    need_dc,
+    need_dbias,
+):
     N = targets.shape[0]
     acc = _acc_dtype(e2d.dtype)
     loss = e2d.new_empty((N,) if reduction == "none" else (), dtype=torch.float32)
@@ -345,7 +401,9 @@ def linear_ce_torch_bwd(
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dE, dC, dbias) in the accumulation dtype for per-row upstream g (loss) and h (lse)."""
-    pb = _Problem(e2d, c, bias, weight, rows, targets, ignore_index, softcap, label_smoothing, z_loss, filter_eps)
+    pb = _Problem(
+        e2d, c, bias, weight, rows, targets, ignore_index, softcap, label_smoothing, z_loss, filter_eps
+    )
     _, _, _, dE, dC, dbias = pb.run(g, h, lse.to(pb.acc), need_de, need_dc, need_dbias)
     return (
         _empty(e2d) if dE is None else dE,
@@ -355,8 +413,25 @@ def linear_ce_torch_bwd(
 
 
 @linear_ce_torch_bwd.register_fake
-def _(e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-      filter_eps, need_de, need_dc, need_dbias):
+def _(
+    e2d,
+    c,
+    bias,
+    weight,
+    rows,
+    targets,
+    lse,
+    g,
+    h,
+    ignore_index,
+    softcap,
+    label_smoothing,
+    z_loss,
+    filter_eps,
+    need_de,
+    need_dc,
+    need_dbias,
+):
     acc = _acc_dtype(e2d.dtype)
     dE = e2d.new_empty(e2d.shape if need_de else (0,), dtype=acc)
     dC = c.new_empty(c.shape if need_dc else (0,), dtype=acc)
@@ -365,33 +440,58 @@ def _(e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, lab
 
 
 def _setup_context(ctx, inputs, output):
-    (e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, ls, z_loss, eps,
-     precompute, need_de, need_dc, need_dbias) = inputs
+    (
+        e2d,
+        c,
+        bias,
+        weight,
+        rows,
+        targets,
+        ignore_index,
+        reduction,
+        softcap,
+        ls,
+        z_loss,
+        eps,
+        precompute,
+        need_de,
+        need_dc,
+        need_dbias,
+    ) = inputs
     loss, lse, dE, dC, db = output
     ctx.mark_non_differentiable(dE, dC, db)
     ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, eps, precompute)
     ctx.dtypes = (e2d.dtype, c.dtype, None if bias is None else bias.dtype)
-    if precompute:
-        ctx.save_for_backward(dE, dC, db)
-    else:
-        ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse)
+    # Precomputed gradients are kept on ctx, not saved tensors: backward scales them in place,
+    # which would trip autograd's version check on saved tensors.
+    ctx.pre = (dE, dC, db) if precompute else None
+    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse)
 
 
 def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
-    ignore_index, reduction, softcap, ls, z_loss, eps, precompute = ctx.opts
+    ignore_index, reduction, softcap, ls, z_loss, eps, _ = ctx.opts
     e_dtype, c_dtype, b_dtype = ctx.dtypes
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
-    if precompute:
-        dE, dC, db = ctx.saved_tensors
-        s = g_loss.float() if g_loss is not None else None
+    if ctx.pre is not None:
+        # The gradients were computed in forward for a unit upstream gradient: scale them in
+        # place (no second copy). A second backward through a retained graph recomputes below.
+        dE, dC, db = ctx.pre
+        ctx.pre = None
+        if g_loss is None:
+            return (None,) * 16
+        s = g_loss.float()
 
         def scale(t, dtype, need):
-            if not need or t.numel() == 0 or s is None:
+            if not need or t.numel() == 0:
                 return None
-            return (t * s).to(dtype)
+            return t.mul_(s).to(dtype)
 
-        return (scale(dE, e_dtype, need_de), scale(dC, c_dtype, need_dc), scale(db, b_dtype, need_db),
-                *([None] * 13))
+        return (
+            scale(dE, e_dtype, need_de),
+            scale(dC, c_dtype, need_dc),
+            scale(db, b_dtype, need_db),
+            *([None] * 13),
+        )
     e2d, c, bias, weight, rows, targets, lse = ctx.saved_tensors
     valid = targets != ignore_index
     w_t = _math.target_weight(weight, targets, valid)
@@ -401,8 +501,23 @@ def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
     else:
         g = _math.row_upstream(g_loss, w_t, reduction, N)
     dE, dC, db = linear_ce_torch_bwd(
-        e2d, c, bias, weight, rows, targets, lse, g.contiguous(), g_lse, ignore_index, softcap, ls, z_loss,
-        eps, need_de, need_dc, need_db and bias is not None,
+        e2d,
+        c,
+        bias,
+        weight,
+        rows,
+        targets,
+        lse,
+        g.contiguous(),
+        g_lse,
+        ignore_index,
+        softcap,
+        ls,
+        z_loss,
+        eps,
+        need_de,
+        need_dc,
+        need_db and bias is not None,
     )
     return (
         dE.to(e_dtype) if need_de else None,

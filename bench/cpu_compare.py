@@ -1,0 +1,141 @@
+"""CPU comparison of issue 2: cce impl="torch" against PyTorch's own chunked linear cross entropy.
+
+    python bench/cpu_compare.py [--rounds 3] [--data random|peaked] [--json bench/results/cpu.json]
+
+Shape N=2048, D=512, V=32000, fp32, every 13th target ignored. Each provider runs in its own
+process (fresh allocator, so peak RSS growth is comparable), providers alternate, and every
+process times one warm-up and then ``--iters`` forward+backward passes (median reported).
+Peak memory is the growth of the process' peak RSS over its RSS after the inputs were created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+PROVIDERS = ("cce_torch", "cce_torch_exact", "torch_chunked", "torch_materialized", "matmul")
+
+
+def _child(provider: str, data: str, iters: int) -> dict:
+    import resource
+
+    import torch
+    import torch.nn.functional as F
+
+    N, D, V = 2048, 512, 32000
+    g = torch.Generator().manual_seed(0)
+    # "random": logits ~ N(0, 1) (nearly uniform softmax); "peaked": logits ~ N(0, 20^2).
+    scale = 1.0 if data == "random" else 20.0
+    s = (scale / D**0.5) ** 0.5
+    e = (torch.randn(N, D, generator=g) * s).requires_grad_()
+    c = (torch.randn(V, D, generator=g) * s).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::13] = -100
+
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def step():
+        e.grad = None
+        c.grad = None
+        if provider == "matmul":
+            with torch.no_grad():
+                return e @ c.T
+        if provider == "torch_chunked":
+            loss = F.linear_cross_entropy(
+                e, c, t, ignore_index=-100, options=torch.nn.LinearCrossEntropyOptions()
+            )
+        elif provider == "torch_materialized":
+            loss = F.cross_entropy(e @ c.T, t, ignore_index=-100)
+        else:
+            import cce
+
+            eps = None if provider == "cce_torch_exact" else "auto"
+            loss = cce.linear_cross_entropy(e, c, t, impl="torch", filter_eps=eps)
+        loss.backward()
+        return loss.detach()
+
+    if provider.startswith("cce"):
+        import cce  # noqa: F401  (import-time memory is not the op's)
+    base = rss_mb()
+    times = []
+    for i in range(iters + 1):
+        t0 = time.perf_counter()
+        out = step()
+        dt = time.perf_counter() - t0
+        if i:
+            times.append(dt)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    loss = float(out) if out.dim() == 0 else float("nan")
+    return {
+        "provider": provider,
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "peak_rss_growth_mb": peak - base,
+        "loss": loss,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--data", choices=("random", "peaked"), default="random")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(_child(a.child, a.data, a.iters)))
+        return
+    import torch
+
+    providers = a.providers.split(",")
+    results: dict[str, list[dict]] = {p: [] for p in providers}
+    for r in range(a.rounds):
+        for p in providers:
+            cmd = [sys.executable, __file__, "--child", p, "--data", a.data, "--iters", str(a.iters)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            results[p].append(res)
+            print(
+                f"round {r + 1}/{a.rounds} {p:20s} {res['median_s']:.3f} s  "
+                f"+{res['peak_rss_growth_mb']:.0f} MB  loss {res['loss']:.5f}",
+                flush=True,
+            )
+    summary = {}
+    for p, rs in results.items():
+        summary[p] = {
+            "median_s": statistics.median(x["median_s"] for x in rs),
+            "peak_rss_growth_mb": statistics.median(x["peak_rss_growth_mb"] for x in rs),
+            "loss": rs[0]["loss"],
+        }
+    ref = summary.get("torch_chunked")
+    print(f"\nN=2048 D=512 V=32000 fp32, data={a.data}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print(f"{'provider':22s} {'median s':>9s} {'vs chunked':>10s} {'peak RSS +MB':>13s}")
+    for p, s in summary.items():
+        ratio = s["median_s"] / ref["median_s"] if ref else float("nan")
+        print(f"{p:22s} {s['median_s']:9.3f} {ratio:10.2f} {s['peak_rss_growth_mb']:13.0f}")
+    if a.json:
+        meta = {
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "data": a.data,
+            "shape": {"N": 2048, "D": 512, "V": 32000, "dtype": "float32", "ignore": "every 13th"},
+        }
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "summary": summary, "runs": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
