@@ -3,14 +3,21 @@
     loss = cce.linear_cross_entropy(hidden, lm_head.weight, labels, shift=True)
 
 computes ``F.cross_entropy(hidden @ lm_head.weight.T, labels)`` without materializing the logits.
+``cce.cross_entropy(logits, labels)`` is the fused loss for callers that already hold the logits.
+Hugging Face models: ``cce.transformers.patch(model)``; vocabulary parallelism:
+``cce.distributed``. Both are imported on first use (``import cce.transformers``).
 """
 
+from .cross_entropy import CausalLMLoss, CrossEntropyLoss, cross_entropy
 from .linear import LinearCrossEntropy, linear_cross_entropy
 from .options import CCEOptions
 
 __all__ = [
     "CCEOptions",
+    "CausalLMLoss",
+    "CrossEntropyLoss",
     "LinearCrossEntropy",
+    "cross_entropy",
     "linear_cross_entropy",
 ]
 
