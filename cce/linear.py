@@ -62,6 +62,11 @@ def _needs_grad(t: torch.Tensor | None) -> bool:
     return t is not None and t.requires_grad and torch.is_grad_enabled()
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    # Checked by class name so that a build without torch.distributed never imports it here.
+    return type(t).__name__ == "DTensor"
+
+
 def linear_cross_entropy_with_options(
     e: torch.Tensor,
     c: torch.Tensor,
@@ -69,8 +74,13 @@ def linear_cross_entropy_with_options(
     bias: torch.Tensor | None,
     weight: torch.Tensor | None,
     opts: CCEOptions,
+    process_group=None,
 ):
     """linear_cross_entropy with its options already in a :class:`CCEOptions`."""
+    if process_group is not None or _is_dtensor(c):
+        from .distributed import vocab_parallel_with_options
+
+        return vocab_parallel_with_options(e, c, targets, bias, weight, opts, process_group)
     check_linear_inputs(e, c, targets, bias, weight, opts)
     impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
@@ -122,6 +132,7 @@ def linear_cross_entropy(
     filter_eps: float | str | None = "auto",
     impl: str = "auto",
     return_lse: bool = False,
+    process_group=None,
 ):
     """Cross entropy of the linear classifier ``e @ c.T + bias``, without materializing the logits.
 
@@ -151,6 +162,10 @@ def linear_cross_entropy(
         filter_eps: gradient filtering threshold: ``"auto"`` (by dtype), a float, or None (exact).
         impl: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
         return_lse: also return the (differentiable) log-sum-exp per token, 0 at ignored tokens.
+        process_group: vocabulary parallelism: ``c`` (and ``bias`` / ``weight``) are this rank's
+            contiguous block of classifier rows, ``e`` and ``targets`` (global ids) are the same
+            on every rank (see :mod:`cce.distributed`). A ``DTensor`` ``c`` sharded ``Shard(0)``
+            selects this mode by itself.
 
     Returns:
         The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``
@@ -169,14 +184,15 @@ def linear_cross_entropy(
         impl=impl,
         return_lse=return_lse,
     )
-    return linear_cross_entropy_with_options(e, c, targets, bias, weight, opts)
+    return linear_cross_entropy_with_options(e, c, targets, bias, weight, opts, process_group)
 
 
 class LinearCrossEntropy(nn.Module):
     """Module form of :func:`linear_cross_entropy`: ``forward(e, c, targets, bias=None)``.
 
     Replaces ``lm_head`` + ``nn.CrossEntropyLoss``: pass the hidden states and the head's weight
-    instead of logits. Takes the same keyword options; ``weight`` is kept as a buffer.
+    instead of logits. Takes the same keyword options; ``weight`` is kept as a buffer and
+    ``process_group`` (vocabulary parallelism) as an attribute.
     """
 
     def __init__(
@@ -192,8 +208,10 @@ class LinearCrossEntropy(nn.Module):
         filter_eps: float | str | None = "auto",
         impl: str = "auto",
         return_lse: bool = False,
+        process_group=None,
     ) -> None:
         super().__init__()
+        self.process_group = process_group
         self.options = CCEOptions(
             ignore_index=ignore_index,
             reduction=reduction,
@@ -214,7 +232,9 @@ class LinearCrossEntropy(nn.Module):
         targets: torch.Tensor,
         bias: torch.Tensor | None = None,
     ):
-        return linear_cross_entropy_with_options(e, c, targets, bias, self.weight, self.options)
+        return linear_cross_entropy_with_options(
+            e, c, targets, bias, self.weight, self.options, self.process_group
+        )
 
     def extra_repr(self) -> str:
         o = self.options
