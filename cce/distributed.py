@@ -21,7 +21,7 @@ gradients (g_lse, g_tgt, g_ssum) on its own statistics, so that its logit gradie
 which is the kernels' (alpha, beta, gamma) form with alpha = g_lse, beta = -g_tgt,
 gamma = -g_ssum (g_lse p_v equals the global alpha times the global softmax, since
 g_lse = alpha exp(lse_r - lse)). dC_local and dbias_local stay local; dE is summed over ranks
-by an all-reduce in backward (the only collective there).
+by an all-reduce in backward (the only collective there), in fp32 before the cast to e's dtype.
 
 Replicated-loss convention: the loss is computed redundantly on every rank, so the backward of
 the all-gather just takes this rank's slice (no communication). This is exact when every rank
@@ -98,22 +98,6 @@ class _GatherReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         return g[ctx.rank], None
-
-
-class _SumGradAcrossRanks(torch.autograd.Function):
-    """Identity forward; all-reduces (sums) the gradient in backward. Each rank's dE covers only
-    its vocabulary block; the full dE is their sum."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -336,10 +320,10 @@ class _LocalStats(torch.autograd.Function):
     """(lse, tgt, ssum) of this rank's block; backward takes upstream gradients on them."""
 
     @staticmethod
-    def forward(ctx, e2d, c, bias, lc: _Local, impl: str):
+    def forward(ctx, e2d, c, bias, lc: _Local, impl: str, group):
         stats_fn, _ = _backend(impl)
         lse, tgt, ssum = stats_fn(e2d, c, bias, lc)
-        ctx.lc, ctx.impl = lc, impl
+        ctx.lc, ctx.impl, ctx.group = lc, impl, group
         ctx.save_for_backward(e2d, c, bias, lse, tgt)
         if ssum is None:
             ssum = lse.new_zeros(0)
@@ -352,17 +336,23 @@ class _LocalStats(torch.autograd.Function):
         need_de, need_dc, need_db = ctx.needs_input_grad[:3]
         need_db = need_db and bias is not None
         if not (need_de or need_dc or need_db):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         _, grads_fn = _backend(ctx.impl)
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         alpha = torch.where(lc.valid, g_lse.to(lse.dtype), zero)
         beta = torch.where(lc.valid & (lc.local_t >= 0), -g_tgt.to(lse.dtype), zero)
         gamma = torch.where(lc.valid, -g_ssum.to(lse.dtype), zero) if lc.smoothing else None
         dE, dC, db = grads_fn(e2d, c, bias, lc, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db)
+        if need_de:
+            # This block's share of dE; the full dE is the sum over ranks, reduced in the
+            # accumulation dtype and rounded to e's dtype once. (Every rank needs dE here: the
+            # set-up check compared e.requires_grad across ranks.)
+            dist.all_reduce(dE, group=ctx.group)
         return (
             dE.to(e2d.dtype) if need_de else None,
             dC.to(c.dtype) if need_dc else None,
             db.to(bias.dtype) if need_db else None,
+            None,
             None,
             None,
         )
@@ -391,6 +381,7 @@ _SAME = (
     "has_weight",
     "impl",
     "filter_eps",
+    "e_grad",
 )
 _CHECKSUMS = ("e_sum", "e_row_moment", "e_col_moment", "t_sum", "t_moment")
 
@@ -458,6 +449,7 @@ def _describe(e, c_local, targets, bias, weight, opts: CCEOptions, check_replica
             else -2.0
             if opts.filter_eps is None
             else float(opts.filter_eps),
+            e_grad=float(e.requires_grad and torch.is_grad_enabled()),
         )
         for i, name in enumerate(_SAME):
             fields[2 + i] = float(same[name])
@@ -610,8 +602,6 @@ def vocab_parallel_with_options(
     lay = _layout(e, c, targets, bias, weight, opts, process_group, check_replicated, global_V)
     impl = select_impl(opts.impl, e.device)
 
-    if e.requires_grad and torch.is_grad_enabled():
-        e = _SumGradAcrossRanks.apply(e, process_group)
     e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
     valid = tgt != opts.ignore_index
     start, V_local = lay.start, c.shape[0]
@@ -627,7 +617,7 @@ def vocab_parallel_with_options(
         smoothing=smoothing,
         filter_eps=opts.resolved_filter_eps(e.dtype),
     )
-    lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, impl)
+    lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, impl, process_group)
 
     # One all-gather of everything the loss needs: lse, tgt[, ssum][, w_t, W] per rank.
     parts = [lse_r, tgt_r]

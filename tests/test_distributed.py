@@ -100,6 +100,7 @@ ERROR_CASES = (
     "err_targets_mismatch",
     "err_n_mismatch",
     "err_option_mismatch",
+    "err_egrad_mismatch",
     "err_local_bad_shape",
     "err_empty_block",
     "err_target_beyond_blocks",
@@ -309,6 +310,9 @@ def _error_case(name, rank, world, group):
     elif name == "err_option_mismatch":
         ls = 0.1 if last else 0.0
         _expect(lambda: vp(ed, cl, t, label_smoothing=ls), ValueError, "'label_smoothing' differs")
+    elif name == "err_egrad_mismatch":  # only some ranks would all-reduce dE in backward
+        e2 = ed.clone().requires_grad_(last)
+        _expect(lambda: vp(e2, cl, t), ValueError, "'e_grad' differs")
     elif name == "err_local_bad_shape":
         c2 = cl[:, :-1] if last else cl
         if last:
