@@ -30,7 +30,6 @@ import pytest
 import torch
 from helpers import (
     UNIT_ROUNDOFF,
-    row_terms,
     abs_logit_grad_terms,
     filter_error_bounds,
     grad_error_scales,
@@ -39,6 +38,7 @@ from helpers import (
     problem_rows,
     reference_logit_grad,
     rel_err,
+    row_terms,
     run_with_upstream,
 )
 from hypothesis import HealthCheck, given, settings
@@ -62,7 +62,7 @@ ACC_TOL = {
 LOSS_RTOL = 2e-5
 
 SETTINGS = settings(
-    max_examples=40,
+    max_examples=80,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -472,6 +472,42 @@ def test_inputs_not_requiring_grad(which, reduction):
     check_against_oracle(e, c, t, b, reduction=reduction)
 
 
+@pytest.fixture
+def spy_fwd(monkeypatch):
+    """Records the arguments cce passes to the PyTorch implementation's forward op."""
+    import cce.torch_impl as ti
+
+    calls = []
+    real = ti.linear_ce_torch_fwd
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(ti, "linear_ce_torch_fwd", spy)
+    return calls
+
+
+@pytest.mark.parametrize("which", ["e", "c", "bias"])
+def test_frozen_input_gradient_not_requested(spy_fwd, which):
+    """The implementation is told not to compute (or allocate) the gradient of a frozen input:
+    its need_* flag (the last three arguments of the op) is False, the others True."""
+    e, c, t, b = make_linear_inputs((3, 4), 19, 30, bias=True)
+    {"e": e, "c": c, "bias": b}[which].requires_grad_(False)
+    cce_fn(e, c, t, b).backward()
+    (args,) = spy_fwd
+    need = dict(zip(("e", "c", "bias"), args[-3:], strict=True))
+    assert need == {k: k != which for k in need}
+
+
+def test_shift_does_not_copy_e(spy_fwd):
+    """shift=True hands the implementation e itself (same storage), not a copy of e[..., :-1, :]."""
+    e, c, t, _ = make_linear_inputs((3, 9), 21, 40)
+    cce_fn(e, c, t, shift=True).backward()
+    (args,) = spy_fwd
+    assert args[0].data_ptr() == e.data_ptr() and args[0].shape == (27, 21)
+
+
 def test_no_grad_anywhere():
     e, c, t, b = make_linear_inputs((4, 6), 27, 45, bias=True)
     for x in (e, c, b):
@@ -657,8 +693,8 @@ def _constant_tail_problem(dtype, p_rare, *, n_freq=20, V=1300, D=40, lead=(3, 8
     "dtype,eps",
     [(torch.float32, "auto"), (torch.float32, 1e-3), (torch.bfloat16, "auto"), (torch.float16, "auto")],
 )
-@pytest.mark.parametrize("variant", ["mean", "none_lse_softcap", "sum_shift_smooth"])
-def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant):
+@pytest.mark.parametrize("variant", ["mean", "none_lse_softcap", "sum_shift_smooth", "mean_chunked"])
+def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant, monkeypatch):
     """The skipped-tile correction, not just the generic bound: here it is exact by construction
     (see _constant_tail_problem), so the filtered result must match the oracle to rounding
     accuracy (tolerance of check_against_oracle with a zero filter bound), while dropping the
@@ -669,7 +705,12 @@ def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant):
         "mean": dict(reduction="mean"),
         "none_lse_softcap": dict(reduction="none", return_lse=True, softcap=40.0),
         "sum_shift_smooth": dict(reduction="sum", shift=True, label_smoothing=0.1, z_loss=1e-3),
+        "mean_chunked": dict(reduction="mean", return_lse=True),
     }[variant]
+    if variant == "mean_chunked":  # several token chunks: per-chunk dC corrections are summed
+        import cce.torch_impl as ti
+
+        monkeypatch.setattr(ti, "CHUNK_BYTES", 5 * 1300 * 4)
     _, L, _, tt = problem_rows(e, c, t, None, shift=opts.get("shift", False), softcap=opts.get("softcap"))
     p = torch.softmax(L, -1)
     assert bool((p[:, 20:] < eps_v).all()) and bool((p[:, :20].amax(1) > 2 * eps_v).all())
