@@ -22,6 +22,7 @@ This module does not import ``transformers``; it works on any model that follows
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import numbers
 import types
@@ -207,6 +208,18 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
     return out if return_dict else out.to_tuple()
 
 
+def _instance_forward(cls_forward):
+    """A function with the class forward's name, docstring and signature (``__wrapped__``), so that
+    tools introspecting ``model.forward`` (the Trainer's column filter and loss-kwargs check) see
+    the real parameters."""
+
+    @functools.wraps(cls_forward)
+    def forward(self, *args, **kwargs):
+        return _patched_forward(self, *args, **kwargs)
+
+    return forward
+
+
 def patch(
     model: nn.Module,
     *,
@@ -249,7 +262,7 @@ def patch(
     if not is_patched(model):
         # A forward already set on the instance (e.g. accelerate's device hooks) is kept and called.
         model.__dict__[_PREV_FORWARD_ATTR] = model.__dict__.get("forward")
-        model.__dict__["forward"] = types.MethodType(_patched_forward, model)
+        model.__dict__["forward"] = types.MethodType(_instance_forward(type(model).forward), model)
     model.__dict__[_OPTIONS_ATTR] = opts
     return model
 

@@ -243,3 +243,25 @@ def test_error_names_what_is_missing():
         cce_hf.patch(NoConfig())
     with pytest.raises(TypeError, match="reduction"):  # set by the patch, not by the user
         cce_hf.patch(build("llama"), reduction="sum")
+
+
+def test_patched_forward_keeps_signature():
+    """The Trainer reads model.forward's signature (column filter, loss kwargs): it must be the real one."""
+    import inspect
+
+    model = cce_hf.patch(build("llama"), impl="torch")
+    params = inspect.signature(model.forward).parameters
+    assert "input_ids" in params and "labels" in params
+    assert any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def test_trainer_with_gradient_accumulation_matches_unpatched():
+    """End to end through the stock Trainer: with gradient accumulation it passes num_items_in_batch."""
+    pytest.importorskip("accelerate")
+    from examples.hf_trainer import train
+
+    a, _ = train(False, steps=3, vocab=512, grad_accum=2)
+    b, _ = train(True, steps=3, vocab=512, grad_accum=2, impl="torch")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b, strict=True):
+        assert abs(x - y) <= TOL * abs(x)
