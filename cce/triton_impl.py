@@ -128,8 +128,9 @@ def _tile_means_c(c: torch.Tensor, perm: torch.Tensor | None, BV: int) -> torch.
     sums = torch.zeros(nt, D, dtype=torch.float32, device=c.device)
     for s, t in _row_chunks(V):
         sums.index_add_(0, tile_of_id[s:t], c[s:t].float())
-    counts = torch.full((nt,), float(BV), device=c.device)
-    counts[-1] = V - (nt - 1) * BV
+    # Tile sizes without a host-to-device copy (CUDA graph capture forbids one).
+    tiles = torch.arange(nt, device=c.device)
+    counts = torch.where(tiles == nt - 1, float(V - (nt - 1) * BV), float(BV))
     return sums / counts[:, None]
 
 
