@@ -228,6 +228,15 @@ def sweep(results, N=8192, D=2304, V=256000):
             True, True, False,
         ),
     }  # fmt: skip
+    for cfg in (
+        K.KernelConfig(128, 128, 64, 8, 4),
+        K.KernelConfig(64, 128, 64, 4, 3),
+        K.KernelConfig(128, 64, 64, 4, 3),
+    ):
+        parts[f"bwd_kernel_filtered {cfg}"] = lambda cfg=cfg: K.linear_ce_backward(
+            e, c, None, None, r.erow_s, ts, r.n_valid, srt(lse), srt(a_), srt(b_), None, perm, 0.0, eps,
+            True, True, False, config=cfg,
+        )  # fmt: skip
     for name, fn in parts.items():
         try:
             row = dict(what=name, ms=do_bench(fn, warmup=10, rep=100, return_mode="median"))
@@ -237,12 +246,41 @@ def sweep(results, N=8192, D=2304, V=256000):
         results["sweep"].append(row)
 
 
+def sanitize(N: int = 1024, D: int = 2048, V: int = 32000, device: str = "cuda") -> None:
+    """One fwd+bwd of every kernel path at a mid size (for compute-sanitizer; no reference)."""
+    for dtype, feps, kw in (
+        (torch.bfloat16, "auto", dict(bias=True)),
+        (torch.bfloat16, None, dict(bias=True, softcap=20.0, label_smoothing=0.1)),
+        (torch.float16, "auto", dict(label_smoothing=0.1, return_lse=True)),
+        (torch.float32, None, dict(shift=True, reduction="none")),
+    ):
+        e, c, t = make_inputs(N, D, V, "zipf", dtype=dtype, device=device, seed=11)
+        b = (
+            (torch.randn(V, device=device) * 0.1).to(dtype).requires_grad_()
+            if kw.pop("bias", False)
+            else None
+        )
+        e = e.view(4, N // 4, D).requires_grad_()
+        c = c.requires_grad_()
+        out = linear_cross_entropy(e, c, t.view(4, N // 4), b, impl="triton", filter_eps=feps, **kw)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.float().sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ok = all(torch.isfinite(x.grad.float()).all() for x in (e, c) + ((b,) if b is not None else ()))
+        print(f"sanitize {dtype} eps={feps} {kw}: finite grads {bool(ok)}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the mid-size correctness cases")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="forward configs and backward breakdown")
+    ap.add_argument("--sanitize", action="store_true", help="only one pass of each path (memcheck)")
     args = ap.parse_args()
+    if args.sanitize:
+        sanitize()
+        return
     import triton
 
     results = dict(
