@@ -294,7 +294,10 @@ def triton_local_grads(e2d, c, bias, lc: _Local, lse, tgt, alpha, beta, gamma, n
         if db is not None:
             db.sub_(w * gamma.sum())
         if dE is not None:
-            dE.index_add_(0, erow, -gamma[:, None] * (w @ c_k.float())[None, :])
+            wC = torch.zeros(c_k.shape[1], device=lse.device)
+            for s in range(0, V_local, 8192):  # no fp32 copy of the whole block
+                wC += w[s : s + 8192] @ c_k[s : s + 8192].float()
+            dE.index_add_(0, erow, -gamma[:, None] * wC[None, :])
         if dC is not None:
             ge = torch.zeros(c_k.shape[1], device=lse.device)
             for s in range(0, t.numel(), 8192):
@@ -517,7 +520,8 @@ def _layout(e, c_local, targets, bias, weight, opts, group, check_replicated, gl
                 "disagree): vocabulary parallelism needs the same e and targets on every rank of "
                 "the group. Under FSDP2 (data parallel, each rank its own tokens) use "
                 "cce.distributed.lm_head_linear_cross_entropy(lm_head, e, targets) or compute "
-                "the loss inside the model's forward, where FSDP2 has unsharded the weight."
+                "the loss inside the model's forward, where FSDP2 has unsharded the weight. If e "
+                "is replicated only up to rounding by design, pass check_replicated=False."
             )
     # Targets hold global ids: check them against the global V (identical on every rank).
     check_target_range(targets, lay.V, opts.ignore_index)

@@ -9,6 +9,7 @@ check that every rank raises a clear error (none hangs: gloo's timeout is short)
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -108,6 +109,10 @@ ERROR_CASES = (
     "err_no_group",
 )
 FSDP_CASES = ("fsdp_head_separate", "fsdp_root_only_inside_forward")
+# cce.linear_cross_entropy(..., process_group=) and a DTensor classifier through the public API
+# (run once cce.linear forwards them to cce.distributed).
+API_INTEGRATED = "process_group" in inspect.signature(cce.linear_cross_entropy).parameters
+API_CASES = ("api_process_group", "api_dtensor", "api_module")
 # cce.transformers.patch on a tiny Llama under FSDP2 (lm_head in the root's group, or its own).
 # Only in the 2-process group (importing transformers costs ~8 s per process on 2 cores).
 HF_CASES = ("hf_patch_fsdp_layers", "hf_patch_fsdp_head")
@@ -414,6 +419,40 @@ def _fsdp_case(name, rank, world, group):
     assert model.lm_head.weight.grad.to_local().shape[0] < V
 
 
+def _api_case(name, rank, world, group):
+    e, c, t, b, _ = _inputs(name, dict(bias=True))
+    opts = dict(label_smoothing=0.1, shift=True)
+    ref = loss_and_grads(
+        lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", **k),
+        _leaf(e), _leaf(c), t, _leaf(b), generator=torch.Generator().manual_seed(9), **opts,
+    )  # fmt: skip
+    if name == "api_dtensor":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        c_in = distribute_tensor(c.detach(), mesh, [Shard(0)]).requires_grad_()
+        b_in = distribute_tensor(b.detach(), mesh, [Shard(0)]).requires_grad_()
+        per = -(-V // world)
+        block = slice(min(rank * per, V), min((rank + 1) * per, V))
+        fn = lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", **k)  # noqa: E731
+    else:
+        sizes = _split(world, "skewed")
+        block = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        c_in, b_in = _leaf(c, block), _leaf(b, block)
+        if name == "api_module":
+            mod = cce.LinearCrossEntropy(impl="torch", process_group=group, **opts)
+            fn = lambda e_, c_, t_, b_: mod(e_, c_, t_, b_)  # noqa: E731
+            opts = {}
+        else:
+            fn = lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", process_group=group, **k)  # noqa: E731
+    loss, lse, grads = loss_and_grads(
+        fn, _leaf(e), c_in, t, b_in, generator=torch.Generator().manual_seed(9), **opts
+    )
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    _compare(name, (loss, lse, grads), ref, TOL_FP32, block)
+
+
 def _hf_case(name, rank, world, group):
     """Data parallel: the patched, sharded model's gradients (after FSDP2's reduce-scatter, an
     average over ranks) must equal those of the unpatched model on one device for the mean of
@@ -483,6 +522,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
                 _error_case(name, rank, world, group)
             elif name in FSDP_CASES:
                 _fsdp_case(name, rank, world, group)
+            elif name in API_CASES:
+                _api_case(name, rank, world, group)
             elif name in HF_CASES:
                 _hf_case(name, rank, world, group)
             results[name] = "ok"
@@ -512,7 +553,7 @@ HF_ACTIVE = HF_CASES if transformers is not None else ()
 
 
 def _run_group(world: int, tmp: Path) -> dict[str, list[str]]:
-    names = ALL_CASES + list(HF_ACTIVE if world == 2 else ())
+    names = ALL_CASES + list(API_CASES if API_INTEGRATED else ()) + list(HF_ACTIVE if world == 2 else ())
     mp.spawn(_worker, args=(world, _free_port(), str(tmp), names), nprocs=world, join=True)
     out: dict[str, list[str]] = {}
     for r in range(world):
@@ -531,6 +572,12 @@ def group_results(request, tmp_path_factory):
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_distributed(group_results, case):
+    _check(group_results, case)
+
+
+@pytest.mark.skipif(not API_INTEGRATED, reason="cce.linear_cross_entropy has no process_group yet")
+@pytest.mark.parametrize("case", API_CASES)
+def test_public_api(group_results, case):
     _check(group_results, case)
 
 
