@@ -77,6 +77,17 @@ def ref_fn(e, c, t, b=None, **kw):
     return linear_cross_entropy_reference(e, c, t, b, dtype=torch.float64, **kw)
 
 
+def fp64_leaves(*xs):
+    """fp64 leaf copies (same requires_grad): the oracle's gradients then stay unrounded in fp64
+    instead of being rounded to the input dtype by autograd's cast."""
+    return [None if x is None else x.detach().double().requires_grad_(x.requires_grad) for x in xs]
+
+
+def run_reference(e, c, t, b, *, seed, **kw):
+    e64, c64, b64 = fp64_leaves(e, c, b)
+    return run_with_upstream(ref_fn, e64, c64, t, b64, seed=seed, **kw)
+
+
 def loss_scale(e, c, t, b, weight, **opts):
     """Per-token magnitude of the terms the loss combines (fp64), reduced like the loss."""
     reduction = opts.get("reduction", "mean")
@@ -106,7 +117,7 @@ def check_against_oracle(e, c, t, b, *, weight=None, seed=0, **opts):
     """Runs cce and the oracle under the same random upstream gradients and asserts the bounds."""
     dtype = e.dtype
     got = run_with_upstream(cce_fn, e, c, t, b, seed=seed, weight=weight, **opts)
-    ref = run_with_upstream(ref_fn, e, c, t, b, seed=seed, weight=weight, **opts)
+    ref = run_reference(e, c, t, b, seed=seed, weight=weight, **opts)
     loss, lse, grads, up_loss, up_lse = got
     rloss, rlse, rgrads, _, _ = ref
 
@@ -425,6 +436,27 @@ def test_multiple_chunks(monkeypatch):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moderate_size(dtype):
+    """Not only toy shapes: 256 tokens, V = 1000 (8 filter blocks, the last partial), every option
+    at once, default filter. D = 100, scale 4: inside the range the tolerances are derived for."""
+    gen = torch.Generator().manual_seed(21)
+    e, c, t, b = make_linear_inputs((2, 128), 100, 1000, dtype, bias=True, scale=4.0, generator=gen)
+    check_against_oracle(
+        e,
+        c,
+        t,
+        b,
+        weight=make_weight(1000, gen),
+        shift=True,
+        softcap=20.0,
+        label_smoothing=0.05,
+        z_loss=1e-4,
+        reduction="none",
+        return_lse=True,
+    )
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_shift_equals_slicing(reduction):
     """shift=True is exactly e[..., :-1, :] with targets[..., 1:] (within fp32 reordering), and the
@@ -715,7 +747,7 @@ def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant, monkeypatc
     p = torch.softmax(L, -1)
     assert bool((p[:, 20:] < eps_v).all()) and bool((p[:, :20].amax(1) > 2 * eps_v).all())
     got = run_with_upstream(cce_fn, e, c, t, None, seed=9, filter_eps=eps, **opts)
-    ref = run_with_upstream(ref_fn, e, c, t, None, seed=9, **opts)
+    ref = run_reference(e, c, t, None, seed=9, **opts)
     up, uplse = got[3], got[4]
     dz = reference_logit_grad(e, c, t, None, up, uplse, **opts).abs()
     dz = dz + abs_logit_grad_terms(e, c, t, None, up, uplse, **opts)
