@@ -39,51 +39,77 @@ def _row_consts(targets, weight, ignore_index, V, label_smoothing, z_loss):
     return valid, w_t, W, k
 
 
-def finish_forward(lse, tgt, ssum, targets, weight, ignore_index, reduction, V, label_smoothing, z_loss):
-    """(loss, lse) in fp32 from the per-row statistics; lse is 0 at ignored rows."""
+def finish_forward(
+    lse, tgt, ssum, targets, weight, ignore_index, reduction, V, label_smoothing, z_loss, precompute
+):
+    """(loss, lse, alpha, beta, gamma) in fp32 from the per-row statistics; lse is 0 at ignored rows.
+
+    With ``precompute`` (reduction "mean" / "sum", no lse output), the row coefficients for a unit
+    upstream gradient are computed here, while the forward kernel still runs on the device: the
+    coefficients are linear in the upstream gradient, so the backward only scales them by it
+    (inside the kernel) and issues no other op. Otherwise alpha / beta / gamma are empty.
+    """
     valid, w_t, W, k = _row_consts(targets, weight, ignore_index, V, label_smoothing, z_loss)
     lse = torch.where(valid, lse.float(), 0.0)
     tok = _math.token_loss(lse, tgt.float(), None if ssum is None else ssum.float(), w_t, W, valid, k)
-    return _math.reduce_loss(tok, w_t, reduction), lse
+    loss = _math.reduce_loss(tok, w_t, reduction)
+    if precompute:
+        ones = torch.ones((), dtype=torch.float32, device=lse.device)
+        g = _math.row_upstream(ones, w_t, reduction, targets.numel())
+        alpha, beta, gamma = _math.coefficients(g, None, lse, w_t, W, valid, k)
+    else:
+        alpha, beta, gamma = (lse.new_empty(0) for _ in range(3))  # distinct: outputs may not alias
+    return loss, lse, alpha, beta, gamma
 
 
-def fake_forward(logits, targets, reduction):
+def fake_forward(logits, targets, reduction, precompute):
     N = targets.shape[0]
     loss = logits.new_empty((N,) if reduction == "none" else (), dtype=torch.float32)
-    return loss, logits.new_empty((N,), dtype=torch.float32)
+    coef = [logits.new_empty((N,) if precompute else (0,), dtype=torch.float32) for _ in range(3)]
+    return (loss, logits.new_empty((N,), dtype=torch.float32), *coef)
 
 
 def register_ce_autograd(fwd_op, bwd_op, bwd_inplace_op) -> None:
     """Autograd for a forward op ``(logits, targets, weight, ignore_index, reduction, softcap,
-    label_smoothing, z_loss, inplace) -> (loss, lse)`` whose backward is ``bwd_op`` (returns the
-    gradient) or ``bwd_inplace_op`` (writes it into logits), both called as
-    ``(logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing)``."""
+    label_smoothing, z_loss, inplace, precompute) -> (loss, lse, alpha, beta, gamma)`` whose
+    backward is ``bwd_op`` (returns the gradient) or ``bwd_inplace_op`` (writes it into logits),
+    both called as ``(logits, targets, weight, lse, alpha, beta, gamma, scale, ignore_index, softcap,
+    smoothing)``; ``scale`` (a 0-d tensor or None) multiplies alpha, beta and gamma."""
 
     def setup_context(ctx, inputs, output):
-        logits, targets, weight, ignore_index, reduction, softcap, ls, z_loss, inplace = inputs
-        _, lse = output
-        ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, inplace, logits.shape[-1])
-        ctx.save_for_backward(logits, targets, weight, lse)
+        logits, targets, weight, ignore_index, reduction, softcap, ls, z_loss, inplace, precompute = inputs
+        _, lse, alpha, beta, gamma = output
+        ctx.mark_non_differentiable(alpha, beta, gamma)
+        ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, inplace, precompute, logits.shape[-1])
+        ctx.save_for_backward(logits, targets, weight, lse, alpha, beta, gamma)
 
-    def backward(ctx, g_loss, g_lse):
-        ignore_index, reduction, softcap, ls, z_loss, inplace, V = ctx.opts
-        logits, targets, weight, lse = ctx.saved_tensors
+    def backward(ctx, g_loss, g_lse, _ga, _gb, _gc):
+        ignore_index, reduction, softcap, ls, z_loss, inplace, precompute, V = ctx.opts
+        logits, targets, weight, lse, alpha, beta, gamma = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return (None,) * 9
-        valid, w_t, W, k = _row_consts(targets, weight, ignore_index, V, ls, z_loss)
-        N = targets.numel()
-        if g_loss is None:
-            g = torch.zeros(N, dtype=torch.float32, device=targets.device)
+            return (None,) * 10
+        if precompute:  # unit-upstream coefficients from the forward, scaled in the kernel
+            if g_loss is None:
+                return (None,) * 10
+            scale = g_loss.float()
+            smoothing = ls > 0
         else:
-            g = _math.row_upstream(g_loss, w_t, reduction, N)
-        alpha, beta, gamma = _math.coefficients(g, g_lse, lse, w_t, W, valid, k)
-        args = (logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, k.smoothing)
+            valid, w_t, W, k = _row_consts(targets, weight, ignore_index, V, ls, z_loss)
+            N = targets.numel()
+            if g_loss is None:
+                g = torch.zeros(N, dtype=torch.float32, device=targets.device)
+            else:
+                g = _math.row_upstream(g_loss, w_t, reduction, N)
+            alpha, beta, gamma = _math.coefficients(g, g_lse, lse, w_t, W, valid, k)
+            scale = None
+            smoothing = k.smoothing
+        args = (logits, targets, weight, lse, alpha, beta, gamma, scale, ignore_index, softcap, smoothing)
         if inplace:
             bwd_inplace_op(*args)
             grad = logits
         else:
             grad = bwd_op(*args)
-        return (grad,) + (None,) * 8
+        return (grad,) + (None,) * 9
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
 
@@ -133,9 +159,13 @@ def torch_stats(logits, targets, weight, ignore_index, softcap, smoothing):
     return lse, tgt, ssum
 
 
-def torch_grad(logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing, out):
+def torch_grad(
+    logits, targets, weight, lse, alpha, beta, gamma, scale, ignore_index, softcap, smoothing, out
+):
     """Writes dloss/dlogits into ``out`` ((..., V), logits' dtype; may be logits itself)."""
     V = logits.shape[-1]
+    if scale is not None:
+        alpha, beta, gamma = alpha * scale, beta * scale, gamma * scale
     x2 = _rows(logits)
     try:
         o2 = out.view(-1, V)
@@ -179,18 +209,23 @@ def ce_torch_fwd(
     label_smoothing: float,
     z_loss: float,
     inplace: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) of logits (..., V) against flat targets [N]; ``inplace`` only affects backward."""
+    precompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, alpha, beta, gamma) of logits (..., V) against flat targets [N] (see
+    :func:`finish_forward`); ``inplace`` only affects the backward."""
     smoothing = label_smoothing > 0
     lse, tgt, ssum = torch_stats(logits, targets, weight, ignore_index, softcap, smoothing)
+    V = logits.shape[-1]
     return finish_forward(
-        lse, tgt, ssum, targets, weight, ignore_index, reduction, logits.shape[-1], label_smoothing, z_loss
+        lse, tgt, ssum, targets, weight, ignore_index, reduction, V, label_smoothing, z_loss, precompute
     )
 
 
 @ce_torch_fwd.register_fake
-def _(logits, targets, weight, ignore_index, reduction, softcap, label_smoothing, z_loss, inplace):
-    return fake_forward(logits, targets, reduction)
+def _(
+    logits, targets, weight, ignore_index, reduction, softcap, label_smoothing, z_loss, inplace, precompute
+):
+    return fake_forward(logits, targets, reduction, precompute)
 
 
 @torch.library.custom_op("cce::ce_torch_bwd", mutates_args=())
@@ -202,16 +237,19 @@ def ce_torch_bwd(
     alpha: torch.Tensor,
     beta: torch.Tensor,
     gamma: torch.Tensor,
+    scale: torch.Tensor | None,
     ignore_index: int,
     softcap: float,
     smoothing: bool,
 ) -> torch.Tensor:
     out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    return torch_grad(logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing, out)
+    return torch_grad(
+        logits, targets, weight, lse, alpha, beta, gamma, scale, ignore_index, softcap, smoothing, out
+    )
 
 
 @ce_torch_bwd.register_fake
-def _(logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing):
+def _(logits, targets, weight, lse, alpha, beta, gamma, scale, ignore_index, softcap, smoothing):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
@@ -224,11 +262,14 @@ def ce_torch_bwd_(
     alpha: torch.Tensor,
     beta: torch.Tensor,
     gamma: torch.Tensor,
+    scale: torch.Tensor | None,
     ignore_index: int,
     softcap: float,
     smoothing: bool,
 ) -> None:
-    torch_grad(logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing, logits)
+    torch_grad(
+        logits, targets, weight, lse, alpha, beta, gamma, scale, ignore_index, softcap, smoothing, logits
+    )
 
 
 register_ce_autograd(ce_torch_fwd, ce_torch_bwd, ce_torch_bwd_)

@@ -24,18 +24,23 @@ def ce_triton_fwd(
     label_smoothing: float,
     z_loss: float,
     inplace: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse) of logits (..., V) against flat targets [N]; ``inplace`` only affects backward."""
+    precompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, alpha, beta, gamma) of logits (..., V) against flat targets [N] (see
+    :func:`cce.ce_torch.finish_forward`); ``inplace`` only affects the backward."""
     smoothing = label_smoothing > 0
     lse, tgt, ssum = K.ce_forward(logits, targets, weight, ignore_index, softcap, smoothing)
+    V = logits.shape[-1]
     return finish_forward(
-        lse, tgt, ssum, targets, weight, ignore_index, reduction, logits.shape[-1], label_smoothing, z_loss
+        lse, tgt, ssum, targets, weight, ignore_index, reduction, V, label_smoothing, z_loss, precompute
     )
 
 
 @ce_triton_fwd.register_fake
-def _(logits, targets, weight, ignore_index, reduction, softcap, label_smoothing, z_loss, inplace):
-    return fake_forward(logits, targets, reduction)
+def _(
+    logits, targets, weight, ignore_index, reduction, softcap, label_smoothing, z_loss, inplace, precompute
+):
+    return fake_forward(logits, targets, reduction, precompute)
 
 
 @torch.library.custom_op("cce::ce_triton_bwd", mutates_args=())
@@ -47,15 +52,18 @@ def ce_triton_bwd(
     alpha: torch.Tensor,
     beta: torch.Tensor,
     gamma: torch.Tensor,
+    scale: torch.Tensor | None,
     ignore_index: int,
     softcap: float,
     smoothing: bool,
 ) -> torch.Tensor:
-    return K.ce_backward(logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing)
+    return K.ce_backward(
+        logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing, scale=scale
+    )
 
 
 @ce_triton_bwd.register_fake
-def _(logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing):
+def _(logits, targets, weight, lse, alpha, beta, gamma, scale, ignore_index, softcap, smoothing):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
@@ -68,13 +76,15 @@ def ce_triton_bwd_(
     alpha: torch.Tensor,
     beta: torch.Tensor,
     gamma: torch.Tensor,
+    scale: torch.Tensor | None,
     ignore_index: int,
     softcap: float,
     smoothing: bool,
 ) -> None:
     K.ce_backward(
-        logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing, inplace=True
-    )
+        logits, targets, weight, lse, alpha, beta, gamma, ignore_index, softcap, smoothing, scale=scale,
+        inplace=True,
+    )  # fmt: skip
 
 
 register_ce_autograd(ce_triton_fwd, ce_triton_bwd, ce_triton_bwd_)

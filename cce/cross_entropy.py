@@ -99,15 +99,20 @@ def cross_entropy_with_options(
     _check_inplace(logits, inplace_backward)
     impl = _resolve_impl(opts, logits)
     t = _flat_targets(targets, opts)
+    # Reduced loss without lse output: the backward's row coefficients are a fixed vector times the
+    # upstream scalar, so they are computed in the forward (see ce_torch.finish_forward).
+    precompute = (
+        opts.reduction != "none" and not opts.return_lse and logits.requires_grad and torch.is_grad_enabled()
+    )
     args = (
         logits, t, weight, opts.ignore_index, opts.reduction, opts.softcap_value,
-        float(opts.label_smoothing), float(opts.z_loss), inplace_backward,
+        float(opts.label_smoothing), float(opts.z_loss), inplace_backward, precompute,
     )  # fmt: skip
     if impl == "torch":
         from .ce_torch import ce_torch_fwd as fwd
     else:
         from .ce_triton import ce_triton_fwd as fwd
-    loss, lse = fwd(*args)
+    loss, lse, *_ = fwd(*args)
 
     def per_token(x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(targets.shape)

@@ -173,12 +173,14 @@ def _ce_bwd_kernel(
     ALPHA,  # [N] fp32 row coefficients (cce._math.coefficients)
     BETA,
     GAMMA,
+    SCALE,  # 0-d fp32 multiplying alpha, beta, gamma (HAS_SCALE): the upstream gradient
     V,
     v_per_split,
     ignore_index,
     softcap,
     HAS_ROW_OFF: tl.constexpr,
     DX_ROW_OFF: tl.constexpr,  # DX rows at the same offsets as X's (in place)
+    HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -202,6 +204,11 @@ def _ce_bwd_kernel(
     alpha = tl.load(ALPHA + row)
     beta = tl.load(BETA + row)
     gamma = tl.load(GAMMA + row)
+    if HAS_SCALE:
+        sc = tl.load(SCALE)
+        alpha *= sc
+        beta *= sc
+        gamma *= sc
     v_start = split * v_per_split
     v_end = tl.minimum(v_start + v_per_split, V)
     n_full = (v_end - v_start) // BLOCK_V
@@ -252,10 +259,10 @@ def default_config(dtype: torch.dtype, backward: bool) -> tuple[int, int, int]:
         return 256, 4, 1
     # Measured on an H100 (bench/gpu_ce_check.py --sweep, bf16, N = 8192, V = 256000 / 128256).
     # Blocks of 8 to 32 KB of logits, i.e. two to four 16-byte loads per thread in flight.
-    scale = 2 if dtype == torch.float32 else 1  # fp32: half as many classes per block
+    div = 2 if dtype == torch.float32 else 1  # fp32: half as many classes per block
     if backward:
-        return 4096 // scale, 8, 1
-    return 4096 // scale, 4, 1
+        return 4096 // div, 8, 1
+    return 4096 // div, 4, 1
 
 
 def split_plan(
@@ -363,6 +370,7 @@ def ce_backward(
     softcap: float,
     smoothing: bool,
     *,
+    scale: torch.Tensor | None = None,
     inplace: bool = False,
     block_v: int | None = None,
     num_warps: int | None = None,
@@ -370,6 +378,7 @@ def ce_backward(
 ) -> torch.Tensor:
     """dloss/dlogits in the logits' dtype and shape (contiguous), or written into ``logits``.
 
+    ``scale`` (0-d fp32 tensor, or None) multiplies alpha, beta and gamma on the device.
     With ``inplace`` the gradient overwrites ``logits`` and ``logits`` is returned. A logits tensor
     whose class dim is not unit-stride is copied first (and the result copied back in place).
     """
@@ -377,8 +386,8 @@ def ce_backward(
     N = targets.numel()
     if inplace and logits.stride(-1) != 1 and V > 1:
         tmp = ce_backward(logits.contiguous(), targets, weight, lse, alpha, beta, gamma, ignore_index,
-                          softcap, smoothing, inplace=True, block_v=block_v, num_warps=num_warps,
-                          splits=splits)  # fmt: skip
+                          softcap, smoothing, scale=scale, inplace=True, block_v=block_v,
+                          num_warps=num_warps, splits=splits)  # fmt: skip
         logits.copy_(tmp)
         return logits
     src = logits if (logits.stride(-1) == 1 or V == 1) else logits.contiguous()
@@ -397,8 +406,9 @@ def ce_backward(
     w, has_w = _weight_arg(weight, smoothing, lse)
     _ce_bwd_kernel[(N, n_splits)](
         x, row_off if row_off is not None else lse, stride_n, dx, stride_dn, targets, w,
-        lse, alpha, beta, gamma, V, v_per_split, ignore_index, float(softcap),
-        HAS_ROW_OFF=row_off is not None, DX_ROW_OFF=inplace and row_off is not None,
+        lse, alpha, beta, gamma, scale if scale is not None else lse, V, v_per_split, ignore_index,
+        float(softcap), HAS_ROW_OFF=row_off is not None, DX_ROW_OFF=inplace and row_off is not None,
+        HAS_SCALE=scale is not None,
         HAS_SOFTCAP=softcap > 0, HAS_WEIGHT=has_w, HAS_SMOOTHING=smoothing, BLOCK_V=block_v,
         num_warps=num_warps,
     )  # fmt: skip
