@@ -33,14 +33,13 @@ from torch import nn
 from .linear import linear_cross_entropy_with_options
 from .options import CCEOptions
 
-__all__ = ["patch", "unpatch", "is_patched"]
+__all__ = ["is_patched", "options", "patch", "unpatch"]
 
 # Options a user may set; the rest (reduction, shift, softcap, return_lse) follow from the model and
 # from each call (softcap from the config, reduction "sum" when the Trainer passes num_items_in_batch).
 _USER_OPTIONS = ("ignore_index", "label_smoothing", "z_loss", "filter_eps", "impl")
 
-_OPTIONS_ATTR = "_cce_options"
-_PREV_FORWARD_ATTR = "_cce_prev_forward"
+_STATE_ATTR = "_cce_state"
 
 
 def _output_layer(model: nn.Module) -> nn.Linear:
@@ -87,22 +86,46 @@ def _logit_transform(model: nn.Module) -> tuple[float, float | None]:
     return scale, cap
 
 
-class _HeadCapture:
-    """Stands in for ``lm_head.forward`` during one labelled forward: keeps the hidden states and
-    returns an empty ``(..., 0)`` tensor so that no logits are computed."""
+class _PatchState:
+    """Everything :func:`patch` attaches to one model instance (shared with its ``lm_head``).
 
-    def __init__(self, model_name: str) -> None:
+    ``capturing`` is set for the duration of one labelled forward; while it is, the head's forward
+    stores its input in ``hidden`` and returns an empty ``(..., 0)`` tensor instead of logits.
+    """
+
+    def __init__(
+        self, options: CCEOptions, scale: float, softcap: float | None, prev_forward, prev_head_forward
+    ):
+        self.options = options
+        self.scale, self.softcap = scale, softcap
+        self.prev_forward, self.prev_head_forward = prev_forward, prev_head_forward
+        # The four per-call variants, built (and validated) once so that a traced forward
+        # (torch.compile) only looks them up.
+        self.call_options = {
+            (reduction, shift): dataclasses.replace(
+                options, reduction=reduction, shift=shift, softcap=softcap, return_lse=False
+            )
+            for reduction in ("mean", "sum")
+            for shift in (False, True)
+        }
+        self.capturing = False
         self.hidden: torch.Tensor | None = None
-        self.model_name = model_name
 
-    def __call__(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.hidden is not None:
+
+def _head_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The forward installed on a patched model's ``lm_head`` (bound to the head)."""
+    st: _PatchState = self._cce_state
+    if st.capturing:
+        if st.hidden is not None:
             raise RuntimeError(
-                f"cce.transformers: {self.model_name}.forward called lm_head more than once; only models "
+                "cce.transformers: the model's forward called lm_head more than once; only models "
                 "that apply lm_head once to the final hidden states can be patched"
             )
-        self.hidden = hidden
+        st.hidden = hidden
         return hidden.new_empty(*hidden.shape[:-1], 0)
+    if st.prev_head_forward is not None:
+        return st.prev_head_forward(hidden, *args, **kwargs)
+    return type(self).forward(self, hidden, *args, **kwargs)
 
 
 def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -123,45 +146,37 @@ def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 def _cce_loss(
     model: nn.Module,
+    st: _PatchState,
     hidden: torch.Tensor,
     labels: torch.Tensor,
     shift_labels: torch.Tensor | None,
     num_items_in_batch,
-    opts: CCEOptions,
 ) -> torch.Tensor:
     head = _output_layer(model)
     c, bias = head.weight, head.bias
-    scale, softcap = _logit_transform(model)
     e = hidden.to(c.device)
     # Match what the unpatched lm_head would compute in: under autocast the matmul runs in the
     # autocast dtype (a cast copy of the weight, as autocast itself makes); else in the weight's dtype.
     dev = e.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-    else:
-        dt = c.dtype
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else c.dtype
     e, c = e.to(dt), c.to(dt)
     bias = None if bias is None else bias.to(dt)
-    if scale != 1.0:
+    if st.scale != 1.0:
         # softcap(s * (e c^T + b)) = softcap((s e) c^T + s b): scale the N x D side, not the V x D one.
-        e = e * scale
-        bias = None if bias is None else bias * scale
-    if shift_labels is not None:
-        targets, shift = shift_labels, False
-    else:
-        targets, shift = labels, True
-    targets = targets.to(e.device)
+        e = e * st.scale
+        bias = None if bias is None else bias * st.scale
+    shift = shift_labels is None
+    targets = (labels if shift else shift_labels).to(e.device)
     if targets.shape != e.shape[:-1]:
         raise ValueError(
             f"cce.transformers: labels of shape {tuple(targets.shape)} do not match the hidden states "
             f"{tuple(e.shape[:-1])} given to lm_head (a labelled forward must keep every position: "
             "leave logits_to_keep / num_logits_to_keep at 0)"
         )
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    call_opts = dataclasses.replace(opts, reduction=reduction, shift=shift, softcap=softcap, return_lse=False)
+    opts = st.call_options[("mean" if num_items_in_batch is None else "sum", shift)]
     # The cast above already picked the compute dtype; autocast must not re-cast inside the op.
     with torch.autocast(dev, enabled=False):
-        loss = linear_cross_entropy_with_options(e, c, targets, bias, None, call_opts)
+        loss = linear_cross_entropy_with_options(e, c, targets, bias, None, opts)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -170,38 +185,35 @@ def _cce_loss(
 
 
 def _patched_forward(self: nn.Module, *args, **kwargs):
-    """The instance forward installed by :func:`patch`."""
-    prev = self.__dict__.get(_PREV_FORWARD_ATTR)
-    forward = prev if prev is not None else types.MethodType(type(self).forward, self)
+    """The body of the instance forward installed by :func:`patch`."""
+    st: _PatchState = self._cce_state
     kw = _as_kwargs(self, args, kwargs)
     labels = kw.pop("labels", None)
     if labels is None:
-        return forward(*args, **kwargs)
-    opts: CCEOptions = self.__dict__[_OPTIONS_ATTR]
+        if st.prev_forward is not None:
+            return st.prev_forward(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
     shift_labels = kw.pop("shift_labels", None)
     num_items_in_batch = kw.pop("num_items_in_batch", None)
     return_dict = kw.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(getattr(self, "config", None), "return_dict", True)
 
-    head = _output_layer(self)
-    capture = _HeadCapture(type(self).__name__)
-    had_own = "forward" in head.__dict__
-    own = head.__dict__.get("forward")
-    head.forward = capture
+    st.capturing, st.hidden = True, None
     try:
-        out = forward(**kw, labels=None, return_dict=True)
-    finally:
-        if had_own:
-            head.forward = own
+        if st.prev_forward is not None:
+            out = st.prev_forward(**kw, labels=None, return_dict=True)
         else:
-            del head.forward
-    if capture.hidden is None:
+            out = type(self).forward(self, **kw, labels=None, return_dict=True)
+        hidden = st.hidden
+    finally:
+        st.capturing, st.hidden = False, None
+    if hidden is None:
         raise RuntimeError(
             f"cce.transformers: {type(self).__name__}.forward never called lm_head; cannot compute the "
             "fused loss for this model"
         )
-    loss = _cce_loss(self, capture.hidden, labels, shift_labels, num_items_in_batch, opts)
+    loss = _cce_loss(self, st, hidden, labels, shift_labels, num_items_in_batch)
     # Rebuild the output without logits (ModelOutput cannot drop a key in place).
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
     out = type(out)(loss=loss, **fields)
@@ -259,27 +271,42 @@ def patch(
             f"cce.transformers.patch: {type(model).__name__}.forward has no `labels` argument; "
             "expected a causal LM (*ForCausalLM)"
         )
-    if not is_patched(model):
-        # A forward already set on the instance (e.g. accelerate's device hooks) is kept and called.
-        model.__dict__[_PREV_FORWARD_ATTR] = model.__dict__.get("forward")
+    head = _output_layer(model)
+    scale, softcap = _logit_transform(model)
+    old = model.__dict__.get(_STATE_ATTR)
+    if old is not None:  # re-patching: new options, same hooks
+        st = _PatchState(opts, scale, softcap, old.prev_forward, old.prev_head_forward)
+    else:
+        # A forward already set on an instance (e.g. accelerate's device hooks) is kept and called.
+        st = _PatchState(opts, scale, softcap, model.__dict__.get("forward"), head.__dict__.get("forward"))
         model.__dict__["forward"] = types.MethodType(_instance_forward(type(model).forward), model)
-    model.__dict__[_OPTIONS_ATTR] = opts
+        head.__dict__["forward"] = types.MethodType(_head_forward, head)
+    model.__dict__[_STATE_ATTR] = st
+    head.__dict__[_STATE_ATTR] = st
     return model
 
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Undoes :func:`patch` (a no-op on an unpatched model). Returns ``model``."""
-    if not is_patched(model):
+    st = model.__dict__.pop(_STATE_ATTR, None)
+    if st is None:
         return model
-    prev = model.__dict__.pop(_PREV_FORWARD_ATTR)
-    model.__dict__.pop(_OPTIONS_ATTR, None)
-    if prev is None:
-        del model.__dict__["forward"]
-    else:
-        model.__dict__["forward"] = prev
+    head = _output_layer(model)
+    head.__dict__.pop(_STATE_ATTR, None)
+    for mod, prev in ((model, st.prev_forward), (head, st.prev_head_forward)):
+        if prev is None:
+            mod.__dict__.pop("forward", None)
+        else:
+            mod.__dict__["forward"] = prev
     return model
+
+
+def options(model: nn.Module) -> CCEOptions | None:
+    """The options a patched model uses (None if it is not patched)."""
+    st = model.__dict__.get(_STATE_ATTR)
+    return None if st is None else st.options
 
 
 def is_patched(model: nn.Module) -> bool:
     """Whether :func:`patch` is in effect on this instance."""
-    return _OPTIONS_ATTR in getattr(model, "__dict__", {})
+    return _STATE_ATTR in getattr(model, "__dict__", {})

@@ -193,7 +193,7 @@ def test_unpatch_restores_and_repatch():
     cce_hf.patch(model, impl="torch")
     cce_hf.patch(model, impl="torch", label_smoothing=0.2)  # re-patching replaces the options
     assert cce_hf.is_patched(model)
-    assert model._cce_options.label_smoothing == 0.2
+    assert cce_hf.options(model).label_smoothing == 0.2
     cce_hf.unpatch(model)
     assert not cce_hf.is_patched(model)
     assert "forward" not in model.__dict__ and "forward" not in model.lm_head.__dict__
@@ -265,3 +265,20 @@ def test_trainer_with_gradient_accumulation_matches_unpatched():
     assert len(a) == len(b) == 3
     for x, y in zip(a, b, strict=True):
         assert abs(x - y) <= TOL * abs(x)
+
+
+def test_deepcopy_of_patched_model_is_independent():
+    ref = build("llama")
+    a = cce_hf.patch(copy.deepcopy(ref), impl="torch")
+    b = copy.deepcopy(a)
+    assert cce_hf.is_patched(b)
+    with torch.no_grad():
+        for p in b.parameters():
+            p.mul_(0.5)  # b's weights now differ from a's
+    ids, labels = batch(6)
+    la = a(input_ids=ids, labels=labels).loss.item()
+    assert abs(la - ref(input_ids=ids, labels=labels).loss.item()) <= TOL * la
+    with torch.no_grad():
+        # b's lm_head (no labels path) uses b's own weights, not a's.
+        assert torch.equal(b(input_ids=ids).logits, cce_hf.unpatch(copy.deepcopy(b))(input_ids=ids).logits)
+    assert abs(b(input_ids=ids, labels=labels).loss.item() - la) > 1e-3
