@@ -242,68 +242,19 @@ def triton_local_stats(e2d, c, bias, lc: _Local):
 
 
 def triton_local_grads(e2d, c, bias, lc: _Local, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db):
-    """(dE, dC, dbias) in fp32 for dZ = (alpha p - beta [v == t] - gamma w) softcap'(z)
-    (impl="triton": the filtered kernel backward of cce.triton_impl).
-
-    Uses ``triton_impl.triton_backward_coeffs`` (per-row coefficients in) when it exists.
-    Otherwise ``triton_impl.triton_backward``, which takes an upstream gradient (g, h) and forms
-    the coefficients by _math.coefficients: with label_smoothing = z_loss = 0 and no class
-    weights those are alpha = g + h, beta = g, so g = beta, h = alpha - beta give any
-    (alpha, beta), the target term staying inside the kernel's tiles. The smoothing term
-    -gamma w is then added here: exactly as a rank-1 term without softcap (as triton_backward
-    does); with softcap it is folded into the tiles (label_smoothing = 1 makes beta = 0 there)
-    and the target term is added outside the tiles in fp32.
-    """
-    from . import triton_impl as TI
+    """(dE, dC, dbias) for dZ = (alpha p - beta [v == t] - gamma w) softcap'(z), p = exp(L - lse)
+    with this block's lse (impl="triton": cce.triton_impl.triton_backward_coeffs, the one-device
+    backward with the coefficients given: filtered kernel with rank-1 corrections, or the exact
+    path for filter_eps = 0). dE, dbias fp32; dC fp32 or c's dtype."""
+    from .triton_impl import _kernel_dtype_inputs, triton_backward_coeffs
 
     t = _local_problem_targets(lc)
-    e2d_k, c_k, bias_k, weight_k = TI._kernel_dtype_inputs(e2d, c, bias, lc.weight)
-    alpha, beta, lse, tgt = alpha.float(), beta.float(), lse.float(), tgt.float()
-    gamma = None if gamma is None else gamma.float()
-    coeffs = getattr(TI, "triton_backward_coeffs", None)
-    if coeffs is not None:
-        return coeffs(
-            e2d_k, c_k, bias_k, weight_k, lc.rows, t, lse, alpha, beta, gamma, -1, lc.softcap,
-            lc.filter_eps, need_de, need_dc, need_db,
-        )  # fmt: skip
-    V_local = c.shape[0]
-    fold = gamma is not None and lc.softcap > 0
-    if fold:
-        W = float(V_local) if weight_k is None else weight_k.float().sum()
-        g, h, ls, w_in = gamma * V_local, alpha - gamma * W, 1.0, weight_k
-    else:
-        g, h, ls, w_in = beta, alpha - beta, 0.0, None
-    dE, dC, db, _ = TI.triton_backward(
-        e2d_k, c_k, bias_k, w_in, lc.rows, t, lse, g, h, -1, lc.softcap, ls, 0.0, lc.filter_eps,
+    e2d_k, c_k, bias_k, weight_k = _kernel_dtype_inputs(e2d, c, bias, lc.weight)
+    return triton_backward_coeffs(
+        e2d_k, c_k, bias_k, weight_k, lc.rows, t, lse.float(), alpha.float(), beta.float(),
+        None if gamma is None else gamma.float(), -1, lc.softcap, lc.filter_eps,
         need_de, need_dc, need_db,
     )  # fmt: skip
-    erow = lc.rows if lc.rows is not None else torch.arange(t.numel(), device=t.device)
-    safe_t = t.clamp(min=0)
-    if fold:  # target term outside the tiles
-        bt = beta * (1.0 - (tgt / lc.softcap).square())  # softcap'(z_t) from the capped logit
-        if db is not None:
-            db.index_add_(0, safe_t, -bt)
-        for s in range(0, t.numel(), 8192):  # bounded [rows, D] fp32 temporaries
-            ts, es, b_ = safe_t[s : s + 8192], erow[s : s + 8192], bt[s : s + 8192, None]
-            if dE is not None:
-                dE.index_add_(0, es, -b_ * c_k.index_select(0, ts).float())
-            if dC is not None:
-                dC.index_add_(0, ts, -b_ * e2d_k.index_select(0, es).float())
-    elif gamma is not None:  # rank-1 smoothing term, exact
-        w = torch.ones(V_local, device=lse.device) if weight_k is None else weight_k.float()
-        if db is not None:
-            db.sub_(w * gamma.sum())
-        if dE is not None:
-            wC = torch.zeros(c_k.shape[1], device=lse.device)
-            for s in range(0, V_local, 8192):  # no fp32 copy of the whole block
-                wC += w[s : s + 8192] @ c_k[s : s + 8192].float()
-            dE.index_add_(0, erow, -gamma[:, None] * wC[None, :])
-        if dC is not None:
-            ge = torch.zeros(c_k.shape[1], device=lse.device)
-            for s in range(0, t.numel(), 8192):
-                ge += gamma[s : s + 8192] @ e2d_k.index_select(0, erow[s : s + 8192]).float()
-            dC.addr_(w, ge, alpha=-1.0)
-    return dE, dC, db
 
 
 def _local_problem_targets(lc: _Local) -> torch.Tensor:
@@ -411,8 +362,10 @@ def _checksums(e2d: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _describe(e, c_local, targets, bias, weight, opts: CCEOptions, check_replicated: bool):
-    """This rank's descriptor (float64) and its local validation error (or None)."""
+def _describe(e, c_local, targets, bias, weight, opts: CCEOptions, check_replicated: bool, dev):
+    """This rank's descriptor (float64, on ``dev``) and its local validation error (or None).
+
+    The checksums stay on the device (no host synchronisation before the gather)."""
     err = None
     fields = [0.0] * (2 + len(_SAME) + 1 + len(_CHECKSUMS))
     try:
@@ -456,15 +409,16 @@ def _describe(e, c_local, targets, bias, weight, opts: CCEOptions, check_replica
         )
         for i, name in enumerate(_SAME):
             fields[2 + i] = float(same[name])
-        desc = torch.tensor(fields, dtype=torch.float64)
         if check_replicated:
-            desc[2 + len(_SAME)] = 1.0
-            desc[3 + len(_SAME) :] = _checksums(e2d.detach(), t).cpu()
+            fields[2 + len(_SAME)] = 1.0
+        desc = torch.tensor(fields, dtype=torch.float64).to(dev)
+        if check_replicated:
+            desc[3 + len(_SAME) :] = _checksums(e2d.detach(), t).to(dev)
         return desc, None
     except Exception as exc:  # reported collectively after the gather, never alone (no hang)
         err = exc
     fields[0] = 1.0
-    return torch.tensor(fields, dtype=torch.float64), err
+    return torch.tensor(fields, dtype=torch.float64).to(dev), err
 
 
 @dataclass(frozen=True)
@@ -484,8 +438,8 @@ class _Layout:
 
 def _layout(e, c_local, targets, bias, weight, opts, group, check_replicated, global_V) -> _Layout:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    desc, err = _describe(e, c_local, targets, bias, weight, opts, check_replicated)
-    table = _all_gather(desc.to(_group_device(group)), group).cpu()  # [world, fields]
+    desc, err = _describe(e, c_local, targets, bias, weight, opts, check_replicated, _group_device(group))
+    table = _all_gather(desc, group).cpu()  # [world, fields]: the one host synchronisation
     failed = [r for r in range(world) if table[r, 0] != 0]
     if err is not None:
         raise type(err)(f"[cce vocab-parallel, rank {rank}] {err}") from err
