@@ -281,7 +281,9 @@ def main() -> int:
     else:
         dev = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(minutes=5))
+    # device_id binds NCCL to this rank's GPU (barriers then need no guess).
+    kw = dict(device_id=dev) if dev.type == "cuda" else {}
+    dist.init_process_group(backend, timeout=timedelta(minutes=5), **kw)
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
