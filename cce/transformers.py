@@ -110,6 +110,7 @@ class _PatchState:
         }
         self.capturing = False
         self.hidden: torch.Tensor | None = None
+        self.aux_coef = 0.0
 
 
 def _head_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -214,6 +215,10 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
             "fused loss for this model"
         )
     loss = _cce_loss(self, st, hidden, labels, shift_labels, num_items_in_batch)
+    aux = out.get("aux_loss")
+    if aux is not None and st.aux_coef:
+        # Mixture-of-experts families add the router load-balancing loss only when labels are given.
+        loss = loss + st.aux_coef * aux.to(loss.device)
     # Rebuild the output without logits (ModelOutput cannot drop a key in place).
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
     out = type(out)(loss=loss, **fields)
@@ -281,6 +286,10 @@ def patch(
         st = _PatchState(opts, scale, softcap, model.__dict__.get("forward"), head.__dict__.get("forward"))
         model.__dict__["forward"] = types.MethodType(_instance_forward(type(model).forward), model)
         head.__dict__["forward"] = types.MethodType(_head_forward, head)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if not isinstance(coef, numbers.Real):
+        coef = getattr(_text_config(model)[1], "router_aux_loss_coef", None)
+    st.aux_coef = float(coef) if isinstance(coef, numbers.Real) and not isinstance(coef, bool) else 0.0
     model.__dict__[_STATE_ATTR] = st
     head.__dict__[_STATE_ATTR] = st
     return model

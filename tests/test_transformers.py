@@ -57,6 +57,17 @@ FAMILIES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 0.25, "initializer_range": 0.1}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0, "initializer_range": 0.1}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    # Mixture of experts: the router's load-balancing loss is added to the labelled loss.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.5,
+        },
+    ),
 }
 TRANSFORMED = ("gemma2", "gemma3_text", "granite", "cohere")
 
