@@ -211,6 +211,10 @@ def sweep(results, N=8192, D=2304, V=256000):
         "bwd_total_filtered": lambda: triton_backward(
             e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False
         ),
+        "bwd_total_filtered_atomic_dC": lambda: triton_backward(
+            e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False,
+            dc_atomic=True,
+        ),
         "bwd_total_exact": lambda: triton_backward(
             e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, 0.0, True, True, False
         ),
@@ -223,7 +227,7 @@ def sweep(results, N=8192, D=2304, V=256000):
             e, c, None, None, r.erow_s, ts, r.n_valid, srt(lse), srt(a_), srt(b_), None, perm, 0.0, eps,
             True, False, False,
         ),
-        "bwd_kernel_dense": lambda: K.linear_ce_backward_dense(
+        "bwd_kernel_slabs_exact": lambda: K.linear_ce_backward_slabs(
             e, c, None, None, r.erow_s, ts, r.n_valid, srt(lse), srt(a_), srt(b_), None, 0.0,
             True, True, False,
         ),

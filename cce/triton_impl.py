@@ -23,6 +23,9 @@ from .kernels import linear_ce as K
 
 # Rows of fp32 temporaries ([rows, D]) made at once by the O(N D) / O(V D) torch terms below.
 _CHUNK_ROWS = 8192
+# Filtered backward: dC by fp32 atomics per kept tile (True) or by cuBLAS on dZ slabs (False:
+# dC exact up to rounding, no fp32 dC buffer). See docs/design.md for the measurements.
+DC_ATOMIC = False
 
 
 def _kernel_dtype_inputs(e2d, c, bias, weight):
@@ -151,6 +154,7 @@ def _block_means_e(e2d: torch.Tensor, r: _Rows, BN: int) -> torch.Tensor:
 def triton_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, need_dbias, *, sort_vocab: bool = True, record_skip: bool = False,
+    dc_atomic: bool | None = None,
 ):  # fmt: skip
     """(dE, dC, dbias) (None where not needed) and the filtered kernel's output (skip flags; None
     on the exact path), for upstream gradients g (per-row loss) and h (lse). dE and dbias are
@@ -163,7 +167,7 @@ def triton_backward(
     alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
     return _backward_core(
         e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if k.smoothing else None, ignore_index,
-        softcap, filter_eps, need_de, need_dc, need_dbias, sort_vocab, record_skip,
+        softcap, filter_eps, need_de, need_dc, need_dbias, sort_vocab, record_skip, dc_atomic,
     )  # fmt: skip
 
 
@@ -182,7 +186,7 @@ def triton_backward_coeffs(
 
 def _backward_core(
     e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
-    need_de, need_dc, need_dbias, sort_vocab, record_skip,
+    need_de, need_dc, need_dbias, sort_vocab, record_skip, dc_atomic: bool | None = None,
 ):  # fmt: skip
     V, D = c.shape
     dev = e2d.device
@@ -197,35 +201,44 @@ def _backward_core(
     # is off, as in impl="torch".
     eps = 0.0 if fold else float(filter_eps)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    args = (e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta))
     if eps == 0:
         # Exact: dZ slabs + cuBLAS (no atomics); every term, smoothing included, is in dZ.
-        dn = K.linear_ce_backward_dense(
-            e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta),
-            srt(gamma) if smoothing else None, softcap, need_de, need_dc, need_dbias,
-        )  # fmt: skip
+        dn = K.linear_ce_backward_slabs(
+            *args, srt(gamma) if smoothing else None, softcap, need_de, need_dc, need_dbias
+        )
         dE = None
-        if dn.dE_sorted is not None:
-            dE = torch.zeros(e2d.shape, dtype=torch.float32, device=dev).index_copy_(
-                0, r.erow_s, dn.dE_sorted
-            )
-        return dE, dn.dC, dn.dbias, None
+        if dn.dE is not None:
+            dE = torch.zeros(e2d.shape, dtype=torch.float32, device=dev).index_copy_(0, r.erow_s, dn.dE)
+        return dE, dn.dC, dn.dbias, dn
     perm = vocab_order(e2d, c, bias, r) if sort_vocab else None
-    out = K.linear_ce_backward(
-        e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta),
-        srt(gamma) if fold else None,
-        perm, softcap, eps, need_de, need_dc, need_dbias, record_skip,
-    )  # fmt: skip
+    w = ge = None
+    if smoothing:  # without softcap: -gamma_i w_v is rank-1, added exactly outside the tiles
+        w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
+        if need_dc:
+            ge = torch.zeros(D, dtype=torch.float32, device=dev)
+            for s, t in _row_chunks(r.N):
+                ge += gamma[s:t] @ e2d.index_select(0, r.erow[s:t]).float()
+    if dc_atomic is None:
+        dc_atomic = DC_ATOMIC
+    if dc_atomic:
+        out = K.linear_ce_backward(
+            *args, None, perm, softcap, eps, need_de, need_dc, need_dbias, record_skip
+        )  # fmt: skip
+    else:
+        out = K.linear_ce_backward_slabs(
+            *args, None, softcap, need_de, need_dc, need_dbias, eps=eps, perm=perm,
+            dc_rank1=None if ge is None else (w, ge), record_skip=record_skip,
+        )  # fmt: skip
     dE, dC, db = out.dE, out.dC, out.dbias
     # Skipped tiles: rank-1 corrections rowsum(dZ_tile) x mean(C_tile), colsum(dZ_tile) x mean(E_block).
     if out.R is not None:
         Cm = _tile_means_c(c, perm, out.BLOCK_V)
         for s, t in _row_chunks(r.N):
             dE.index_add_(0, r.erow_s[s:t], out.R[s:t] @ Cm)
-    if out.CSK is not None:
+    if dc_atomic and out.CSK is not None:
         dC.addmm_(out.CSK.T, _block_means_e(e2d, r, out.BLOCK_N))
-    # Smoothing without softcap: -gamma_i w_v is rank-1, added exactly.
-    if smoothing and not fold:
-        w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
+    if smoothing:
         if db is not None:
             db.sub_(w * gamma.sum())
         if dE is not None:
@@ -233,10 +246,7 @@ def _backward_core(
             for s, t in _row_chunks(V):
                 wC += w[s:t] @ c[s:t].float()
             dE.index_add_(0, r.erow, -gamma[:, None] * wC[None, :])
-        if dC is not None:
-            ge = torch.zeros(D, dtype=torch.float32, device=dev)
-            for s, t in _row_chunks(r.N):
-                ge += gamma[s:t] @ e2d.index_select(0, r.erow[s:t]).float()
+        if dc_atomic and dC is not None:
             dC.addr_(w, ge, alpha=-1.0)
     return dE, dC, db, out
 

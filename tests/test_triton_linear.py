@@ -112,6 +112,21 @@ def test_exact_path_several_slabs(monkeypatch, dtype):
     _check(got, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_filtered_path_several_slabs(monkeypatch, dtype):
+    """Filtered backward (sorted vocabulary, dE atomics, dC per slab through the permutation,
+    smoothing term outside) with several slabs; eps tiny so nothing is skipped and the oracle's
+    tolerance applies (the skip branch is checked against its bound below)."""
+    from cce.kernels import linear_ce as K
+
+    N, V = 40, 150
+    monkeypatch.setattr(K, "DZ_SLAB_BYTES", N * 2 * 32 * (4 if dtype == torch.float32 else 2))
+    opts = {"bias": True, "label_smoothing": 0.1, "weight": True, "z_loss": 1e-3}
+    e, c, t, b, opts = _inputs((N,), 50, V, dtype, opts, seed=13)
+    got, ref = compare_with_reference(_triton, e, c, t, b, seed=6, filter_eps=1e-12, **opts)
+    _check(got, ref, dtype)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored(reduction):
     e, c, t, b, _ = _inputs((20,), 40, 70, torch.float32, {"bias": True}, seed=5)
@@ -186,7 +201,8 @@ def _filter_bound(e, c, t, eps, BN, BV, skip, perm):
     return bound_e, bound_c, order
 
 
-def test_filter_error_within_stated_bound():
+@pytest.mark.parametrize("dc_atomic", [False, True])
+def test_filter_error_within_stated_bound(dc_atomic):
     """With a coarse threshold most tiles are skipped; the corrected error obeys the bound."""
     from cce import _math
     from cce.kernels.linear_ce import backward_blocks
@@ -198,8 +214,9 @@ def test_filter_error_within_stated_bound():
     valid = t != -100
     g = _math.row_upstream(torch.ones(()), _math.target_weight(None, t, valid), "mean", len(t))
     dE, dC, _, out = triton_backward(
-        e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False, record_skip=True
-    )
+        e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False,
+        record_skip=True, dc_atomic=dc_atomic,
+    )  # fmt: skip
     dE0, dC0, _, _ = triton_backward(
         e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, 0.0, True, True, False
     )

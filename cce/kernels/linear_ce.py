@@ -325,7 +325,8 @@ def _bwd_kernel(
             tl.store(TLo + offs_n, lo, mask=row_mask & row_t)
         dz_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + (offs_p - tile0 * BLOCK_V)[None, :]
         tl.store(dz_ptr, dzr, mask=(offs_n < N)[:, None] & col_mask[None, :])
-        return
+        if not NEED_DE:
+            return  # exact path: both products by cuBLAS on the slab
     if FILTER:
         has_t = tl.max(tl.max(is_t.to(tl.int32), axis=1), axis=0) > 0
         skip = (tl.max(tl.max(p, axis=1), axis=0) < eps) & (not has_t)
@@ -337,19 +338,27 @@ def _bwd_kernel(
             if NEED_DC:
                 tl.store(CSK + pid_n.to(tl.int64) * V + vid, tl.sum(dz, axis=0), mask=col_mask)
             return
-    if SCALE_DZ:
-        # fp16 operands: alpha p can sit below fp16's normal range (alpha ~ 1/N for "mean"), so
-        # the tile is scaled to max |dZ| = 1 before rounding and the products scaled back.
-        scale = tl.max(tl.max(tl.abs(dz), axis=1), axis=0)
-        scale = tl.where(scale > 0, scale, 1.0)
-        dzc = (dz / scale).to(E.dtype.element_ty)
+    if STORE_DZ:
+        # Filtered slab path: dE of a kept tile from the same rounded tile (lo already stored).
+        dzc = dzr
+        if SCALE_DZ:
+            scale = 1.0 / inv
+        else:
+            scale = 1.0
     else:
-        scale = 1.0
-        dzc = dz.to(E.dtype.element_ty)
-    if TARGET_LO:
-        lo = tl.sum(tl.where(is_t, dz - dzc.to(tl.float32) * scale, 0.0), axis=1)
-        row_t = tl.max(is_t.to(tl.int32), axis=1) > 0
-        tl.store(TLo + offs_n, lo, mask=row_mask & row_t)
+        if SCALE_DZ:
+            # fp16 operands: alpha p can sit below fp16's normal range (alpha ~ 1/N for "mean"),
+            # so the tile is scaled to max |dZ| = 1 before rounding and the products scaled back.
+            scale = tl.max(tl.max(tl.abs(dz), axis=1), axis=0)
+            scale = tl.where(scale > 0, scale, 1.0)
+            dzc = (dz / scale).to(E.dtype.element_ty)
+        else:
+            scale = 1.0
+            dzc = dz.to(E.dtype.element_ty)
+        if TARGET_LO:
+            lo = tl.sum(tl.where(is_t, dz - dzc.to(tl.float32) * scale, 0.0), axis=1)
+            row_t = tl.max(is_t.to(tl.int32), axis=1) > 0
+            tl.store(TLo + offs_n, lo, mask=row_mask & row_t)
     offs_d = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
         dm = (d0 + offs_d) < D
@@ -485,12 +494,20 @@ DZ_SLAB_BYTES = 256 << 20
 
 @dataclass
 class DenseOut:
-    dE_sorted: torch.Tensor | None  # fp32 [N, D], rows in the sorted order
-    dC: torch.Tensor | None  # c.dtype [V, D]
-    dbias: torch.Tensor | None  # fp32 [V]
+    """dE (fp32; sorted rows [N, D] if ``dE_sorted`` else e2d-shaped), dC (c.dtype), dbias (fp32),
+    R (skipped tiles' row sums, filtered only), skip flags (record_skip only)."""
+
+    dE: torch.Tensor | None
+    dE_sorted: bool
+    dC: torch.Tensor | None
+    dbias: torch.Tensor | None
+    R: torch.Tensor | None
+    skip: torch.Tensor | None
+    BLOCK_N: int
+    BLOCK_V: int
 
 
-def linear_ce_backward_dense(
+def linear_ce_backward_slabs(
     e2d: torch.Tensor,
     c: torch.Tensor,
     bias: torch.Tensor | None,
@@ -506,35 +523,55 @@ def linear_ce_backward_dense(
     need_de: bool,
     need_dc: bool,
     need_dbias: bool,
+    eps: float = 0.0,
+    perm: torch.Tensor | None = None,
+    dc_rank1: tuple[torch.Tensor, torch.Tensor] | None = None,
+    record_skip: bool = False,
     slab_bytes: int | None = None,
+    config: KernelConfig | None = None,
 ) -> DenseOut:
-    """Exact backward through vocabulary slabs (no filtering, no atomics on dE / dC).
+    """Backward through vocabulary slabs: dC by cuBLAS, never by atomics.
 
-    For each slab of vocabulary columns the kernel stores dZ[:, slab] (operand dtype, the full
-    dZ including target and smoothing terms); cuBLAS then adds dZ_slab @ C_slab to dE (fp32) and
-    writes dC[slab] = dZ_slab^T @ E_sorted once, in c's dtype (fp32 accumulation inside the
-    GEMM, one rounding), so dC needs no fp32 buffer. Extra memory: the slab (<= slab_bytes)
-    and the sorted rows of e.
+    For each slab of (sorted, if ``perm``) vocabulary positions the kernel stores dZ[:, slab]
+    (operand dtype, target term included, smoothing folded in when ``gamma`` is given); cuBLAS
+    writes dC[slab] = dZ_slab^T @ E_sorted once (fp32 accumulation inside the GEMM, one rounding
+    to c's dtype: no fp32 dC buffer, no filter error in dC). dE:
+
+    - eps == 0 (exact): dE_sorted += dZ_slab @ C_slab by cuBLAS into an fp32 [N, D] buffer;
+    - eps > 0 (filtered): the kernel adds dZ_tile @ C_tile to an fp32 e2d-shaped dE with atomics
+      for kept tiles only and writes rowsum(dZ_tile) to R for skipped ones (rank-1 correction
+      outside, see triton_impl.py).
+
+    ``dc_rank1 = (w, ge)`` subtracts w (outer) ge from dC (the smoothing term without softcap,
+    which the filtered path keeps out of the tiles) before the rounding. Extra memory: the slab
+    (<= slab_bytes) and the sorted rows of e.
     """
-    _check(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma)
+    _check(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma, perm)
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
-    cfg = _config(e2d.dtype, "bwd")
+    cfg = config or _config(e2d.dtype, "bwd")
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
     n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
     f32 = torch.float32
+    filt = eps > 0
     esz = e2d.element_size()
     slab_bytes = DZ_SLAB_BYTES if slab_bytes is None else slab_bytes
     slab_tiles = max(1, min(n_vtiles, slab_bytes // max(1, N * esz * cfg.BLOCK_V)))
     slab = slab_tiles * cfg.BLOCK_V
-    dE_s = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
-    dC = torch.empty((V, D), dtype=c.dtype, device=dev) if need_dc else None
+    if filt:
+        dE = torch.zeros(e2d.shape, dtype=f32, device=dev) if need_de else None
+    else:
+        dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
+    dC = torch.zeros((V, D), dtype=c.dtype, device=dev) if need_dc else None
     db = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
-    if N == 0:
-        if dC is not None:
-            dC.zero_()
-        return DenseOut(dE_s, dC, db)
+    R = torch.zeros((N, n_vtiles), dtype=f32, device=dev) if (filt and need_de) else None
+    skip = None
+    if record_skip and filt:
+        skip = torch.full((n_blocks, n_vtiles), -1, dtype=torch.int8, device=dev)
+    out = DenseOut(dE, not filt, dC, db, R, skip, cfg.BLOCK_N, cfg.BLOCK_V)
+    if N == 0 or not (need_de or need_dc or need_dbias):
+        return out
     # Rows past n_valid are never written by the kernel: zero once, they stay zero.
     DZ = torch.zeros((N, slab), dtype=e2d.dtype, device=dev)
     scale = None
@@ -543,7 +580,7 @@ def linear_ce_backward_dense(
         scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
         inv = (1.0 / scale).contiguous()
     E_s = e2d.index_select(0, erow) if need_dc else None
-    # dC is written once in c's dtype, so only dE (fp32) takes the target remainder.
+    # The target entry's rounding remainder goes back into the fp32 dE (dC is rounded once).
     lo = torch.zeros(N, dtype=f32, device=dev) if (e2d.dtype != f32 and need_de) else None
     dummy = alpha
     for t0 in range(0, n_vtiles, slab_tiles):
@@ -552,29 +589,41 @@ def linear_ce_backward_dense(
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             _bwd_kernel[(n_blocks, nt)](
                 e2d, c, bias if bias is not None else dummy, weight if weight is not None else dummy,
-                erow, tgt, erow, n_valid, lse, alpha, beta, gamma if gamma is not None else dummy,
-                dummy, dummy, db if db is not None else dummy, dummy, dummy, dummy, DZ, inv,
+                erow, tgt, perm if perm is not None else erow, n_valid, lse, alpha, beta,
+                gamma if gamma is not None else dummy,
+                dE if (filt and dE is not None) else dummy, dummy, db if db is not None else dummy,
+                R if R is not None else dummy, dummy, skip if skip is not None else dummy, DZ, inv,
                 lo if lo is not None else dummy,
-                N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), 0.0, t0, slab,
+                N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), float(eps), t0, slab,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
-                HAS_WEIGHT=weight is not None, SORTED=False, FILTER=False, WRITE_SKIP=False,
-                SCALE_DZ=scale is not None, STORE_DZ=True, TARGET_LO=lo is not None,
-                NEED_DE=False, NEED_DC=False,
-                NEED_DBIAS=need_dbias,
+                HAS_WEIGHT=weight is not None, SORTED=perm is not None, FILTER=filt,
+                WRITE_SKIP=skip is not None, SCALE_DZ=scale is not None, STORE_DZ=True,
+                TARGET_LO=lo is not None, NEED_DE=filt and need_de, NEED_DC=False, NEED_DBIAS=need_dbias,
                 BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
                 PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
         dz = DZ[:, : v1 - v0]
-        if dE_s is not None:
-            dE_s += _mm_f32(dz, c[v0:v1], scale)
+        ids = None if perm is None else perm[v0:v1]
+        if dE is not None and not filt:
+            c_slab = c[v0:v1] if ids is None else c.index_select(0, ids)
+            dE += _mm_f32(dz, c_slab, scale)
         if dC is not None:
-            if scale is None and c.dtype != f32 and dev.type == "cuda":
+            if ids is None and scale is None and dc_rank1 is None and c.dtype != f32 and dev.type == "cuda":
                 torch.mm(dz.T, E_s, out=dC[v0:v1])  # fp32 accumulation in the GEMM, one rounding
+                continue
+            g = _mm_f32(dz.T, E_s, scale)
+            if dc_rank1 is not None:
+                w, ge = dc_rank1
+                wv = w[v0:v1] if ids is None else w.index_select(0, ids)
+                g.addr_(wv, ge, alpha=-1.0)
+            if ids is None:
+                dC[v0:v1] = g
             else:
-                dC[v0:v1] = _mm_f32(dz.T, E_s, scale)
+                dC.index_copy_(0, ids, g.to(c.dtype))
     if lo is not None:
-        _add_target_lo(e2d, c, torch.arange(N, device=dev), tgt, lo, dE_s, None)
-    return DenseOut(dE_s, dC, db)
+        rows = erow if filt else torch.arange(N, device=dev)
+        _add_target_lo(e2d, c, rows, tgt, lo, dE, None)
+    return out
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
