@@ -142,15 +142,29 @@ def test_cuda_graph_capture_and_replay(impl, dtype):
         assert rel_err(static_dc, ref_dc) <= tg
 
 
+SYNC_CASES = [
+    dict(softcap=20.0),
+    dict(label_smoothing=0.1),  # bias + smoothing without softcap: the unfolded smoothing terms
+    dict(reduction="none", return_lse=True, z_loss=1e-4),
+]
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_no_host_sync_in_forward_backward(impl):
+@pytest.mark.parametrize("case", range(len(SYNC_CASES)))
+def test_no_host_sync_in_forward_backward(impl, case):
     """torch.cuda sync debug mode 'error' raises on any synchronizing call (.item(), .nonzero(), ...)."""
+    opts = SYNC_CASES[case]
     e, c, t, b = _inputs(1024, torch.bfloat16, bias=True)
-    cce.linear_cross_entropy(e, c, t, b, impl=impl).backward()  # warm-up (autotune may sync)
+
+    def step():
+        out = cce.linear_cross_entropy(e, c, t, b, impl=impl, **opts)
+        loss = out[0].sum() + out[1].sum() if isinstance(out, tuple) else out.sum()
+        loss.backward()
+
+    step()  # warm-up (autotuning and lazy initialisation may synchronise)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss = cce.linear_cross_entropy(e, c, t, b, impl=impl, shift=False, softcap=20.0)
-        loss.backward()
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
