@@ -302,14 +302,12 @@ class _LocalStats(torch.autograd.Function):
             # accumulation dtype and rounded to e's dtype once. (Every rank needs dE here: the
             # set-up check compared e.requires_grad across ranks.)
             dist.all_reduce(dE, group=ctx.group)
-        return (
-            dE.to(e2d.dtype) if need_de else None,
-            dC.to(c.dtype) if need_dc else None,
-            db.to(bias.dtype) if need_db else None,
-            None,
-            None,
-            None,
-        )
+        # Cast one gradient at a time, dropping each fp32 buffer before the next cast, so the
+        # peak holds one fp32 / low-precision pair, not all of them.
+        dE = dE.to(e2d.dtype) if need_de else None
+        dC = dC.to(c.dtype) if need_dc else None
+        db = db.to(bias.dtype) if need_db else None
+        return dE, dC, db, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
