@@ -1,25 +1,31 @@
 """cce.linear_cross_entropy (impl="torch") against the fp64 oracle, properties and edge cases.
 
-Tolerances (all derived, none tuned to the implementation):
+Tolerances (all derived, none tuned to the implementation). The oracle computes in fp64 from
+the *same* input values (a bf16 tensor converts to fp64 exactly; its gradients are kept in fp64),
+so every difference is the implementation's own rounding. The CPU implementation computes in fp32
+(fp64 for fp64 inputs), unit roundoff u. check_against_oracle bounds it from the data, worst case:
 
-* The oracle computes in fp64 from the *same* input values (a bf16 tensor converts to fp64
-  exactly), so every difference is the implementation's own rounding.
-* Loss / lse: computed from fp32 logits. A logit is a length-D dot product plus a bias; its fp32
-  error is at most gamma_D * sum_d |e_d c_d| + u |b| (gamma_n = n u, u = 2^-24), under 4e-5 for the
-  D <= 100, scale <= 4 data used here, and the loss combines O(1) such terms (lse, target logit,
-  the smoothing sum, z * lse^2). We allow LOSS_RTOL = 2e-5 times the magnitude of the terms that
-  are combined (1 + |lse| + max|L| weighted, + z lse^2), i.e. relative to what cancels, not to the
-  possibly tiny result.
-* Gradients: each entry of dE = dZ C, dC = dZ^T E, dbias = colsum dZ is a sum whose terms'
-  absolute values add up to the entry of |dZ| |C| (etc.). Computing it in fp32 errs by at most
-  gamma_n (n <= 300 summands: 1.8e-5) times that plus the logits' error (same order, see above),
-  so we bound ||got - ref||_F by (u_grad + ACC_TOL) * || |dZ||C| ||_F, where u_grad is the unit
-  roundoff of the gradient's storage dtype (one final rounding: bf16 2^-9, fp16 2^-11) and
-  ACC_TOL = 2e-5 for fp32 accumulation. This stays meaningful where cancellation makes the
-  gradient itself small (e.g. a confident softmax, V = 1). |dZ| here is the sum of the magnitudes
-  of the three terms every implementation adds (alpha p, beta onehot, gamma w; cce/_math.py),
-  which cancel exactly for V = 1.
-* Filtering (filter_eps > 0) adds the proven bound of helpers.filter_error_bounds.
+* logit error: a logit is a length-D dot product plus a bias (then softcap):
+  |dL| <= logit_err = D u max_iv sum_d |e_id c_vd| + u (max|z| + max|b| + softcap).
+* accumulation: every sum has at most n = V + D + N terms; its relative error against the sum of
+  its terms' magnitudes is <= gamma_n ~ n u (+ 16 u for exp / log / division): acc_rel. fp64
+  inputs add 8 fp32 roundings (loss and lse are fp32 by contract; the saved lse enters the z-loss
+  gradient).
+* loss: per token, the terms combined (w (lse - tgt), smoothing, z lse^2) have magnitude
+  s_i = 1 + w_max (1 + |lse| + max|L|) + z lse^2; a logit error moves the loss by <= 3 s_i
+  logit_err. Bound: (acc_rel + 4 logit_err) * s, s reduced like the loss (relative to what
+  cancels, not to the possibly tiny result).
+* gradients: each entry of dE = dZ C, dC = dZ^T E, dbias = colsum dZ is a sum whose terms'
+  magnitudes add up to the entry of |dZ| |C| (etc.), |dZ| being the sum of the magnitudes of the
+  three terms an implementation adds (alpha p, beta onehot, gamma w; cce/_math.py; they cancel
+  exactly for V = 1). A logit error moves p relatively by <= 2 logit_err and softcap' by
+  <= 2 logit_err / softcap. Bound: ||got - ref||_F <= (u_grad + acc_rel + (4 + 4/softcap)
+  logit_err) * || |dZ||C| ||_F, u_grad the unit roundoff of the gradient's storage dtype (one final
+  rounding: bf16 2^-9, fp16 2^-11; fp16 subnormals add 2^-25 per entry).
+* filtering (filter_eps > 0) adds the proven bound of helpers.filter_error_bounds.
+
+Property tests compare the implementation with itself (two runs, each within the budget of
+the exact value): twice the budget.
 """
 
 from __future__ import annotations
@@ -50,16 +56,6 @@ from cce.reference import linear_cross_entropy_reference
 
 IMPL = "torch"
 
-# fp32 accumulation error allowance relative to the magnitude of the summed terms (see module doc).
-ACC_TOL = {
-    torch.float32: 2e-5,
-    torch.bfloat16: 2e-5,
-    torch.float16: 2e-5,
-    # fp64 inputs: gradients accumulate in fp64, but the loss and the lse (saved for the
-    # backward's z-loss term) are fp32 by contract, so ~u_fp32 relative errors remain.
-    torch.float64: 1e-6,
-}
-LOSS_RTOL = 2e-5
 
 SETTINGS = settings(
     max_examples=80,
@@ -99,7 +95,7 @@ def loss_scale(e, c, t, b, weight, **opts):
     else:
         lse = torch.logsumexp(L, -1)
         wmax = 1.0 if weight is None else float(weight.abs().max())
-        s = wmax * (1 + lse.abs() + L.abs().amax(-1)) + opts.get("z_loss", 0.0) * lse * lse
+        s = 1 + wmax * (1 + lse.abs() + L.abs().amax(-1)) + opts.get("z_loss", 0.0) * lse * lse
         s = torch.where(valid, s, 0.0)
     out_shape = (t[..., 1:] if shift else t).shape
     if reduction == "none":
@@ -113,6 +109,47 @@ def loss_scale(e, c, t, b, weight, **opts):
     return s.sum() / (den if den != 0 else 1.0)
 
 
+def rounding_budget(e, c, t, b, **opts):
+    """(acc_rel, logit_err) of the module doc for these inputs."""
+    fp64 = e.dtype == torch.float64
+    u = 2.0**-53 if fp64 else 2.0**-24
+    shift, softcap = opts.get("shift", False), opts.get("softcap")
+    E, _, z, _ = problem_rows(e, c, t, b, shift=shift, softcap=softcap)
+    V, D = c.shape
+    acc_rel = (V + D + E.shape[0] + 16) * u + (8 * 2.0**-24 if fp64 else 0.0)
+    if E.shape[0] == 0:
+        return acc_rel, 0.0
+    prod = float((E.abs() @ c.detach().double().abs().T).max())
+    bmax = 0.0 if b is None else float(b.detach().double().abs().max())
+    logit_err = D * u * prod + u * (float(z.abs().max()) + bmax + (softcap or 0.0))
+    return acc_rel, logit_err
+
+
+def lse_tolerance(e, c, t, b, acc_rel, logit_err, **opts):
+    """Bound on |lse_got - lse_exact| per problem row (module doc)."""
+    _, L, _, _ = problem_rows(e, c, t, b, shift=opts.get("shift", False), softcap=opts.get("softcap"))
+    if L.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float64)
+    return (acc_rel + logit_err) * (1 + torch.logsumexp(L, -1).abs() + L.abs().amax(-1))
+
+
+def error_budget(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
+    """Rounding bounds of the module doc: {"loss": per loss entry, "lse": per token (or None),
+    "e" / "c" / "bias": Frobenius bound on the gradient, before the storage rounding (u_grad) and
+    the filter bound}."""
+    acc_rel, logit_err = rounding_budget(e, c, t, b, **opts)
+    out = {"loss": (acc_rel + 4 * logit_err) * loss_scale(e, c, t, b, weight, **opts), "lse": None}
+    if up_lse is not None:
+        out["lse"] = lse_tolerance(e, c, t, b, acc_rel, logit_err, **opts).reshape(up_lse.shape)
+    dz = reference_logit_grad(e, c, t, b, up_loss, up_lse, weight=weight, **opts).abs()
+    dz = dz + abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
+    scales = grad_error_scales(e, c, t, b, dz, shift=opts.get("shift", False))
+    sc_factor = 4 + 4 / opts["softcap"] if opts.get("softcap") else 4
+    out.update({k: (acc_rel + sc_factor * logit_err) * v for k, v in scales.items()})
+    out.update({k + "_scale": v for k, v in scales.items()})
+    return out
+
+
 def check_against_oracle(e, c, t, b, *, weight=None, seed=0, **opts):
     """Runs cce and the oracle under the same random upstream gradients and asserts the bounds."""
     dtype = e.dtype
@@ -124,23 +161,18 @@ def check_against_oracle(e, c, t, b, *, weight=None, seed=0, **opts):
     # Output contract: fp32 loss (and lse), shapes like the oracle's.
     assert loss.dtype == torch.float32
     assert loss.shape == rloss.shape
-    scale = loss_scale(e, c, t, b, weight, **opts)
+    budget = error_budget(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
     err = (loss.double() - rloss).abs()
     assert not torch.isnan(loss).any()
-    assert bool((err <= LOSS_RTOL * (1 + scale)).all()), (
-        f"loss error {err.max().item():.3g} > {LOSS_RTOL} * (1 + {scale.max().item():.3g})"
+    assert bool((err <= budget["loss"]).all()), (
+        f"loss error {err.max().item():.3g} > {budget['loss'].max().item():.3g}"
     )
     if lse is not None:
         assert lse.dtype == torch.float32 and lse.shape == rlse.shape
-        _, L, _, _ = problem_rows(e, c, t, b, shift=opts.get("shift", False), softcap=opts.get("softcap"))
-        lscale = (1 + L.abs().amax(-1)).reshape(rlse.shape) if L.numel() else torch.ones(rlse.shape)
         lerr = (lse.double() - rlse).abs()
-        assert bool((lerr <= LOSS_RTOL * lscale).all()), f"lse error {lerr.max().item():.3g}"
+        assert bool((lerr <= budget["lse"]).all()), f"lse error {lerr.max().item():.3g}"
 
     # Gradients.
-    dz = reference_logit_grad(e, c, t, b, up_loss, up_lse, weight=weight, **opts).abs()
-    dz = dz + abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, weight=weight, **opts)
-    scales = grad_error_scales(e, c, t, b, dz, shift=opts.get("shift", False))
     eps = CCEOptions(filter_eps=opts.get("filter_eps", "auto")).resolved_filter_eps(dtype)
     fb = filter_error_bounds(e, c, t, b, up_loss, up_lse, eps, weight=weight, **opts)
     for name, x in (("e", e), ("c", c), ("bias", b)):
@@ -153,7 +185,7 @@ def check_against_oracle(e, c, t, b, *, weight=None, seed=0, **opts):
         assert g is not None, f"no gradient for {name}"
         assert g.dtype == x.dtype and g.shape == x.shape, (name, g.dtype, g.shape)
         assert torch.isfinite(g).all(), f"non-finite gradient for {name}"
-        tol = (UNIT_ROUNDOFF[x.dtype] + ACC_TOL[x.dtype]) * scales[name] + fb[name]
+        tol = budget[name] + UNIT_ROUNDOFF[x.dtype] * budget[name + "_scale"] + fb[name]
         # fp16 gradients below 2^-14 are subnormal: absolute spacing 2^-24 per entry.
         tol += math.sqrt(g.numel()) * 2.0**-25 if x.dtype == torch.float16 else 0.0
         diff = float((g.double() - rg.double()).norm())
@@ -241,14 +273,12 @@ def test_constant_logit_shift_changes_nothing(p, k):
     kb = torch.full((p["V"],), k)
     l0, _, g0, _, _ = run_with_upstream(cce_fn, e, c, t, None, seed=1, weight=w, **opts)
     l1, _, g1, up, _ = run_with_upstream(cce_fn, e, c, t, kb, seed=1, weight=w, **opts)
-    # Both sides round in fp32; adding k to the logits moves each by <= u|k| more.
-    scale = loss_scale(e, c, t, None, w, **opts)
-    assert bool(((l1 - l0).abs() <= LOSS_RTOL * (1 + abs(k)) * (1 + scale)).all())
-    dz = abs_logit_grad_terms(e, c, t, None, up, None, weight=w, **opts)
-    scales = grad_error_scales(e, c, t, None, dz, shift=opts["shift"])
+    # Each side is within the rounding budget of the exact value (the budget with the bias k
+    # covers the larger logits), so they differ by at most twice that.
+    budget = error_budget(e, c, t, kb, up, None, weight=w, **opts)
+    assert bool(((l1 - l0).abs() <= 2 * budget["loss"]).all())
     for name in g0:
-        tol = 2 * ACC_TOL[torch.float32] * (1 + abs(k)) * scales[name]
-        assert float((g1[name] - g0[name]).double().norm()) <= tol + 1e-30, name
+        assert float((g1[name] - g0[name]).double().norm()) <= 2 * budget[name] + 1e-30, name
 
 
 @settings(SETTINGS, max_examples=15)
@@ -273,20 +303,17 @@ def test_vocabulary_permutation_changes_nothing(p, perm_seed):
     w2 = None if w is None else w[perm]
     l0, s0, g0, up, uplse = run_with_upstream(cce_fn, e, c, t, b, seed=2, weight=w, **opts)
     l1, s1, g1, _, _ = run_with_upstream(cce_fn, e, c2, t2, b2, seed=2, weight=w2, **opts)
-    scale = loss_scale(e, c, t, b, w, **opts)
-    # Same math, different summation order: each side within the fp32 bound of the exact value.
-    assert bool(((l1 - l0).abs() <= 2 * LOSS_RTOL * (1 + scale)).all())
+    # Same math, different summation order: each side within the rounding budget of the exact
+    # value, so they differ by at most twice that.
+    budget = error_budget(e, c, t, b, up, uplse, weight=w, **opts)
+    assert bool(((l1 - l0).abs() <= 2 * budget["loss"]).all())
     if s0 is not None:
-        _, L, _, _ = problem_rows(e, c, t, b, shift=opts["shift"], softcap=opts["softcap"])
-        assert bool(((s1 - s0).abs().reshape(-1) <= 2 * LOSS_RTOL * (1 + L.abs().amax(-1))).all())
-    dz = abs_logit_grad_terms(e, c, t, b, up, uplse, weight=w, **opts)
-    scales = grad_error_scales(e, c, t, b, dz, shift=opts["shift"])
+        assert bool(((s1 - s0).abs() <= 2 * budget["lse"]).all())
     back = {"e": g1["e"], "c": g1["c"][inv]}
     if b is not None:
         back["bias"] = g1["bias"][inv]
     for name, g in back.items():
-        tol = 2 * ACC_TOL[torch.float32] * scales[name]
-        assert float((g - g0[name]).double().norm()) <= tol + 1e-30, name
+        assert float((g - g0[name]).double().norm()) <= 2 * budget[name] + 1e-30, name
 
 
 @settings(SETTINGS, max_examples=20)
@@ -346,7 +373,7 @@ def test_lse_bounds(p):
         return
     m = L.amax(-1)[valid]
     got = lse.reshape(-1)[valid].double()
-    slack = LOSS_RTOL * (1 + m.abs())  # fp32 logits, see module doc
+    slack = lse_tolerance(e, c, t, b, *rounding_budget(e, c, t, b, **opts), **opts)[valid]
     assert bool((got >= m - slack).all())
     assert bool((got <= m + math.log(p["V"]) + slack).all())
 
@@ -468,10 +495,11 @@ def test_shift_equals_slicing(reduction):
     es = e.detach()[:, :-1, :].contiguous().requires_grad_()
     l1, _, g1, _, _ = run_with_upstream(cce_fn, es, c, t[:, 1:].contiguous(), b, seed=5, reduction=reduction)
     assert l0.shape == l1.shape == ((3, 7) if reduction == "none" else ())
-    torch.testing.assert_close(l0, l1, rtol=LOSS_RTOL, atol=LOSS_RTOL)
+    budget = error_budget(e, c, t, b, up, None, reduction=reduction, shift=True)
+    assert bool(((l0 - l1).abs() <= 2 * budget["loss"]).all())
     assert bool((g0["e"][:, -1] == 0).all())
-    torch.testing.assert_close(g0["e"][:, :-1], g1["e"], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(g0["c"], g1["c"], rtol=1e-5, atol=1e-7)
+    assert float((g0["e"][:, :-1] - g1["e"]).norm()) <= 2 * budget["e"]
+    assert float((g0["c"] - g1["c"]).norm()) <= 2 * budget["c"]
 
 
 @pytest.mark.parametrize("softcap", [0.7, 5.0, 30.0])
@@ -695,7 +723,7 @@ def test_default_filter_half_precision_peaked(dtype):
     check_against_oracle(e, c, t, b, reduction="none", softcap=30.0)
 
 
-def _constant_tail_problem(dtype, p_rare, *, n_freq=20, V=1300, D=40, lead=(3, 8), seed=5):
+def _constant_tail_problem(dtype, p_rare, *, n_freq=20, V=1300, D=8, lead=(3, 8), seed=5):
     """Inputs where the filter's rank-1 correction is exact: every token has the same hidden state
     e0, and the classes n_freq.. (the "rare" tail) all share one vector c_r whose softmax
     probability is p_rare in every row. Any skipped tile lies in the tail (a tile holding a
@@ -749,16 +777,16 @@ def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant, monkeypatc
     got = run_with_upstream(cce_fn, e, c, t, None, seed=9, filter_eps=eps, **opts)
     ref = run_reference(e, c, t, None, seed=9, **opts)
     up, uplse = got[3], got[4]
-    dz = reference_logit_grad(e, c, t, None, up, uplse, **opts).abs()
-    dz = dz + abs_logit_grad_terms(e, c, t, None, up, uplse, **opts)
-    scales = grad_error_scales(e, c, t, None, dz, shift=opts.get("shift", False))
+    budget = error_budget(e, c, t, None, up, uplse, **opts)
     # What dropping the tail without correction would miss, per row: |alpha_i| * tail mass * c_r.
     E, pp, _, alpha, *_ = row_terms(e, c, t, None, up, uplse, **opts)
     tail = alpha.abs() * pp[:, 20:].sum(1)
     dropped = {"e": float(tail.norm() * c[-1].detach().double().norm()), "c": float(tail.sum() * E[0].norm())}
     for name in ("e", "c"):
-        tol = (UNIT_ROUNDOFF[dtype] + ACC_TOL[dtype]) * scales[name]
+        tol = budget[name] + UNIT_ROUNDOFF[dtype] * budget[name + "_scale"]
         if eps == "auto" and variant == "mean" and dtype == torch.float32:
-            assert dropped[name] > 5 * tol, "construction too weak to detect a missing correction"
+            # A missing correction errs by ~dropped (exactly alpha_i * tail mass * c_r per dE row):
+            # dropped > 2 tol makes that error exceed tol.
+            assert dropped[name] > 2 * tol, "construction too weak to detect a missing correction"
         diff = float((got[2][name].double() - ref[2][name].double()).norm())
         assert diff <= tol, f"d{name}: {diff:.3g} > {tol:.3g} (uncorrected drop ~{dropped[name]:.3g})"
