@@ -257,7 +257,11 @@ def sanitize(N: int = 1024, D: int = 2048, V: int = 32000, device: str = "cuda")
         (torch.bfloat16, None, dict(bias=True, softcap=20.0, label_smoothing=0.1)),
         (torch.float16, "auto", dict(label_smoothing=0.1, return_lse=True)),
         (torch.float32, None, dict(shift=True, reduction="none")),
+        (torch.bfloat16, "auto", dict(dc_atomic=True, label_smoothing=0.1)),
     ):
+        import cce.triton_impl as TI
+
+        TI.DC_ATOMIC = kw.pop("dc_atomic", False)
         e, c, t = make_inputs(N, D, V, "zipf", dtype=dtype, device=device, seed=11)
         b = (
             (torch.randn(V, device=device) * 0.1).to(dtype).requires_grad_()
@@ -272,7 +276,10 @@ def sanitize(N: int = 1024, D: int = 2048, V: int = 32000, device: str = "cuda")
         if device == "cuda":
             torch.cuda.synchronize()
         ok = all(torch.isfinite(x.grad.float()).all() for x in (e, c) + ((b,) if b is not None else ()))
-        print(f"sanitize {dtype} eps={feps} {kw}: finite grads {bool(ok)}", flush=True)
+        print(
+            f"sanitize {dtype} eps={feps} {kw} dc_atomic={TI.DC_ATOMIC}: finite grads {bool(ok)}", flush=True
+        )
+    TI.DC_ATOMIC = False
 
 
 def main() -> None:
