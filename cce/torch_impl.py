@@ -464,7 +464,7 @@ def _setup_context(ctx, inputs, output):
     ctx.dtypes = (e2d.dtype, c.dtype, None if bias is None else bias.dtype)
     # Precomputed gradients are kept on ctx, not saved tensors: backward scales them in place,
     # which would trip autograd's version check on saved tensors.
-    ctx.pre = (dE, dC, db) if precompute else None
+    ctx.pre = ((dE, dC, db), (need_de, need_dc, need_dbias)) if precompute else None
     ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse)
 
 
@@ -472,19 +472,18 @@ def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
     ignore_index, reduction, softcap, ls, z_loss, eps, _ = ctx.opts
     e_dtype, c_dtype, b_dtype = ctx.dtypes
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
-    if ctx.pre is not None:
+    needs = (need_de, need_dc, need_db)
+    if ctx.pre is not None and all(done or not need for done, need in zip(ctx.pre[1], needs)):
         # The gradients were computed in forward for a unit upstream gradient: scale them in
         # place (no second copy). A second backward through a retained graph recomputes below.
-        dE, dC, db = ctx.pre
+        (dE, dC, db), _ = ctx.pre
         ctx.pre = None
         if g_loss is None:
             return (None,) * 16
         s = g_loss.float()
 
         def scale(t, dtype, need):
-            if not need or t.numel() == 0:
-                return None
-            return t.mul_(s).to(dtype)
+            return t.mul_(s).to(dtype) if need else None
 
         return (
             scale(dE, e_dtype, need_de),
