@@ -168,6 +168,23 @@ def test_triton_interpreter_matches_oracle(name, dtype, lead, V, opts):
     check(x, t, impl="triton", inplace=inplace, **opts)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    opts=options,
+    rows=st.integers(1, 6),
+    V=st.integers(2, 600),  # up to 3 blocks of 256 and a tail; few rows -> vocabulary splits
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_interpreter_properties(opts, rows, V, dtype, seed):
+    opts = dict(opts)
+    x, t = make((2, rows), V, dtype, seed=seed, ignore_index=opts.get("ignore_index", -100))
+    if opts.pop("weight", False):
+        opts["weight"] = torch.rand(V, generator=torch.Generator().manual_seed(seed)) + 0.1
+    inplace = opts.pop("inplace", False)
+    check(x, t, impl="triton", inplace=inplace, seed=seed, **opts)
+
+
 def test_triton_strided_layouts():
     x, t = make((6, 9), 300, seed=5)
     xt, tt = x.transpose(0, 1), t.transpose(0, 1)  # leading dims do not flatten: row-offset table
