@@ -157,8 +157,8 @@ def cross_entropy(
 
     Args:
         logits: ``(..., V)`` float32 / bfloat16 / float16 (float64 with impl="torch"), any strides.
-            A class dim that is not unit-stride is copied once; any leading strides are read in
-            place.
+            A class dim that is not unit-stride is copied once (with ``inplace_backward`` the
+            gradient is then copied back into the logits); any leading strides are read in place.
         targets: integer class ids shaped ``logits.shape[:-1]``.
         ignore_index: targets equal to it contribute nothing (their rows are not even read).
         reduction: ``"mean"`` (over non-ignored tokens, weighted by ``weight`` if given),
