@@ -241,6 +241,22 @@ def sweep(results, N=8192, D=2304, V=256000):
             e, c, None, None, r.erow_s, ts, r.n_valid, srt(lse), srt(a_), srt(b_), None, perm, 0.0, eps,
             True, True, False, config=cfg,
         )  # fmt: skip
+    try:  # where the filtered backward's time goes (kernels, GEMMs, torch glue)
+        from torch.profiler import ProfilerActivity, profile
+
+        for name in ("bwd_total_filtered", "bwd_total_filtered_atomic_dC"):
+            parts[name]()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                parts[name]()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=10, max_name_column_width=60
+            )
+            print(f"profile {name}\n{table}", flush=True)
+            results.setdefault("profiles", {})[name] = table
+    except Exception as exc:
+        print(f"profile failed: {type(exc).__name__}: {exc}"[:300], flush=True)
     for name, fn in parts.items():
         try:
             row = dict(what=name, ms=do_bench(fn, warmup=10, rep=100, return_mode="median"))

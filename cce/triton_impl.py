@@ -123,14 +123,22 @@ def vocab_order(e2d, c, bias, r: _Rows) -> torch.Tensor:
 
 
 def _tile_means_c(c: torch.Tensor, perm: torch.Tensor | None, BV: int) -> torch.Tensor:
-    """[n_vtiles, D] mean of c's rows over each tile of the walking order."""
+    """[n_vtiles, D] mean of c's rows over each tile of the walking order.
+
+    Gathers the rows in walking order chunk by chunk and reduces contiguous groups of BV (no
+    scatter-add: an index_add_ over V x D elements with BV-way collisions is far slower)."""
     V, D = c.shape
     nt = -(-V // BV)
-    pos = torch.arange(V, device=c.device)
-    tile_of_id = pos // BV if perm is None else torch.empty_like(pos).index_copy_(0, perm, pos // BV)
-    sums = torch.zeros(nt, D, dtype=torch.float32, device=c.device)
-    for s, t in _row_chunks(V):
-        sums.index_add_(0, tile_of_id[s:t], c[s:t].float())
+    sums = torch.empty(nt, D, dtype=torch.float32, device=c.device)
+    chunk = max(BV, (_CHUNK_ROWS // BV) * BV)
+    for s in range(0, V, chunk):
+        t = min(s + chunk, V)
+        rows = (c[s:t] if perm is None else c.index_select(0, perm[s:t])).float()
+        full = (t - s) // BV
+        if full:
+            sums[s // BV : s // BV + full] = rows[: full * BV].view(full, BV, D).sum(1)
+        if (t - s) % BV:
+            sums[s // BV + full] = rows[full * BV :].sum(0)
     # Tile sizes without a host-to-device copy (CUDA graph capture forbids one).
     tiles = torch.arange(nt, device=c.device)
     counts = torch.where(tiles == nt - 1, float(V - (nt - 1) * BV), float(BV))

@@ -234,6 +234,21 @@ def test_filter_error_within_stated_bound(dc_atomic):
     assert rel_err(dE, dE0) < 2e-2 and rel_err(dC, dC0) < 2e-2
 
 
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_tile_means(monkeypatch, sorted_):
+    """Per-tile means of c in walking order (chunked gather; a partial last tile)."""
+    import cce.triton_impl as TI
+
+    monkeypatch.setattr(TI, "_CHUNK_ROWS", 64)
+    V, D, BV = 150, 7, 32
+    c = torch.randn(V, D)
+    perm = torch.randperm(V) if sorted_ else None
+    got = TI._tile_means_c(c, perm, BV)
+    cs = c if perm is None else c[perm]
+    ref = torch.stack([cs[s : s + BV].mean(0) for s in range(0, V, BV)])
+    assert torch.allclose(got, ref, atol=1e-6)
+
+
 def test_vocab_sorting_clusters_skippable_tiles():
     """Walking the vocabulary by mean logit skips far more tiles than id order on zipf data."""
     from bench.gpu_linear_check import skip_rate

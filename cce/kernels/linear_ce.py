@@ -608,8 +608,12 @@ def linear_ce_backward_slabs(
             c_slab = c[v0:v1] if ids is None else c.index_select(0, ids)
             dE += _mm_f32(dz, c_slab, scale)
         if dC is not None:
-            if ids is None and scale is None and dc_rank1 is None and c.dtype != f32 and dev.type == "cuda":
-                torch.mm(dz.T, E_s, out=dC[v0:v1])  # fp32 accumulation in the GEMM, one rounding
+            if scale is None and dc_rank1 is None and c.dtype != f32 and dev.type == "cuda":
+                # fp32 accumulation inside the GEMM, one rounding to c's dtype, no fp32 temporary.
+                if ids is None:
+                    torch.mm(dz.T, E_s, out=dC[v0:v1])
+                else:
+                    dC.index_copy_(0, ids, torch.mm(dz.T, E_s))
                 continue
             g = _mm_f32(dz.T, E_s, scale)
             if dc_rank1 is not None:
