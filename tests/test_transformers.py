@@ -293,3 +293,19 @@ def test_deepcopy_of_patched_model_is_independent():
         # b's lm_head (no labels path) uses b's own weights, not a's.
         assert torch.equal(b(input_ids=ids).logits, cce_hf.unpatch(copy.deepcopy(b))(input_ids=ids).logits)
     assert abs(b(input_ids=ids, labels=labels).loss.item() - la) > 1e-3
+
+
+def test_autocast_bf16():
+    """Under CPU autocast the patched loss is computed in bf16 operands (as the unpatched lm_head is)."""
+    ref = build("llama")
+    model = cce_hf.patch(copy.deepcopy(ref), impl="torch")
+    ids, labels = batch(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(input_ids=ids, labels=labels).loss
+        exp = ref(input_ids=ids, labels=labels).loss
+    got.backward()
+    assert got.dtype == torch.float32
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    # The unpatched loss reads bf16-rounded logits (relative rounding 2^-9 per logit) while cce
+    # accumulates the bf16 products in fp32: they differ by ~1e-3 relative, far below 2e-2.
+    assert abs(got.item() - exp.item()) <= 2e-2 * exp.item()
