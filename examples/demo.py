@@ -358,22 +358,24 @@ def main(argv: list[str] | None = None) -> int:
         hist["step"].append(s)
         hist["A"].append(la)
         hist["B"].append(lb)
-        if budget is not None and s == 5:
-            # Trim the run to the time budget (both runs identically) on a slow or busy machine.
-            per = (time.perf_counter() - t_train) / 5
-            fit = int(budget / per)
+        if budget is not None and s >= 5 and s < steps:
+            # Trim the run to the time budget (both runs identically) on a slow or busy machine;
+            # re-checked every step, since a shared machine's load changes.
+            per = (time.perf_counter() - t_train) / s
+            fit = max(int(budget / per), 10, s + 1)
             if fit < steps:
                 bar.write(
                     f"  (at {per:.2f} s per step pair, {steps} steps exceed the {budget:.0f} s budget: "
-                    f"training {max(fit, 10)} steps; --time-budget / --steps change this)"
+                    f"training {fit} steps; --time-budget / --steps change this)"
                 )
-                steps = max(fit, 10)
+                steps = fit
                 for _, conn in runs.values():
                     conn.send(("total", steps))
                     conn.recv()
                 bar.total = steps
                 if bar._t is not None:
                     bar._t.total = steps
+                    bar._t.refresh()
                 every = args.every or max(1, steps // 15)
         bar.update(f"A {la:.4f} B {lb:.4f}")
         if s % every == 0 or s == 1 or s == steps:
