@@ -191,7 +191,7 @@ def row_terms(e, c, t, b, up_loss, up_lse, *, weight=None, reduction="mean", **o
     return E, p, sc, alpha.double(), beta.double(), gamma.double(), w, tt
 
 
-def abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
+def abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, *, weight=None, times_softcap_grad=True, **opts):
     """(|alpha_i| p_iv + |beta_i| [v == t_i] + |gamma_i| w_v) |softcap'_iv|: the magnitude of the
     terms an implementation adds up into dL/dz_iv (they cancel, e.g. for V = 1 or a confident
     softmax, so |dL/dz| alone understates the rounding error of a correct implementation)."""
@@ -201,7 +201,7 @@ def abs_logit_grad_terms(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
         valid = beta != 0
         safe = torch.where(valid, tt, torch.zeros_like(tt))
         A[torch.arange(tt.numel()), safe] += beta.abs()
-    return A * sc.abs()
+    return A * sc.abs() if times_softcap_grad else A
 
 
 def filter_error_bounds(e, c, t, b, up_loss, up_lse, eps: float, *, weight=None, **opts):

@@ -21,7 +21,9 @@ so every difference is the implementation's own rounding. The CPU implementation
   exactly for V = 1). A logit error moves p relatively by <= 2 logit_err and softcap' by
   <= 2 logit_err / softcap. Bound: ||got - ref||_F <= (u_grad + acc_rel + (4 + 4/softcap)
   logit_err) * || |dZ||C| ||_F, u_grad the unit roundoff of the gradient's storage dtype (one final
-  rounding: bf16 2^-9, fp16 2^-11; fp16 subnormals add 2^-25 per entry).
+  rounding: bf16 2^-9, fp16 2^-11; fp16 subnormals add 2^-25 per entry). With softcap, the
+  derivative 1 - tanh^2 computed from a rounded tanh is off by <= 3 u absolutely: add 3 u times
+  the same norm computed without the softcap' factor.
 * filtering (filter_eps > 0) adds the proven bound of helpers.filter_error_bounds.
 
 Property tests compare the implementation with itself (two runs, each within the budget of
@@ -146,6 +148,15 @@ def error_budget(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
     scales = grad_error_scales(e, c, t, b, dz, shift=opts.get("shift", False))
     sc_factor = 4 + 4 / opts["softcap"] if opts.get("softcap") else 4
     out.update({k: (acc_rel + sc_factor * logit_err) * v for k, v in scales.items()})
+    if opts.get("softcap"):
+        # softcap' = 1 - tanh^2 from a rounded tanh errs by <= 3 u absolutely, not relative to
+        # softcap' (which is tiny where |z| >> softcap): 3 u times the terms before softcap'.
+        raw = abs_logit_grad_terms(
+            e, c, t, b, up_loss, up_lse, weight=weight, times_softcap_grad=False, **opts
+        )
+        u = 2.0**-53 if e.dtype == torch.float64 else 2.0**-24
+        raw_scales = grad_error_scales(e, c, t, b, raw, shift=opts.get("shift", False))
+        out.update({k: out[k] + 3 * u * raw_scales[k] for k in scales})
     out.update({k + "_scale": v for k, v in scales.items()})
     return out
 
