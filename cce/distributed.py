@@ -100,6 +100,35 @@ class _GatherReplicated(torch.autograd.Function):
         return g[ctx.rank], None
 
 
+class _GatherSummed(torch.autograd.Function):
+    """All-gather whose backward sums every rank's gradient of this rank's slice (a
+    reduce-scatter): for consumers that differ across ranks (each rank its own tokens' loss)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.rank, ctx.group = dist.get_rank(group), group
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g[ctx.rank], None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` (FSDP2's averaging over ranks)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.scale, None
+
+
 # ---------------------------------------------------------------------------------------------
 # Local statistics of one vocabulary block (the per-rank op)
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +326,7 @@ class _LocalStats(torch.autograd.Function):
         beta = torch.where(lc.valid & (lc.local_t >= 0), -g_tgt.to(lse.dtype), zero)
         gamma = torch.where(lc.valid, -g_ssum.to(lse.dtype), zero) if lc.smoothing else None
         dE, dC, db = grads_fn(e2d, c, bias, lc, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db)
-        if need_de:
+        if need_de and ctx.group is not None:
             # This block's share of dE; the full dE is the sum over ranks, reduced in the
             # accumulation dtype and rounded to e's dtype once. (Every rank needs dE here: the
             # set-up check compared e.requires_grad across ranks.)
@@ -424,6 +453,7 @@ class _Layout:
     rank: int
     world: int
     sizes: tuple[int, ...]  # V_local of every rank, in rank order
+    ns: tuple[int, ...]  # tokens of every rank (equal unless tokens are sharded)
 
     @property
     def start(self) -> int:
@@ -434,7 +464,9 @@ class _Layout:
         return sum(self.sizes)
 
 
-def _layout(e, c_local, targets, bias, weight, opts, group, check_replicated, global_V) -> _Layout:
+def _layout(
+    e, c_local, targets, bias, weight, opts, group, check_replicated, global_V, tokens_sharded=False
+) -> _Layout:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     desc, err = _describe(e, c_local, targets, bias, weight, opts, check_replicated, _group_device(group))
     table = _all_gather(desc, group).cpu()  # [world, fields]: the one host synchronisation
@@ -447,6 +479,8 @@ def _layout(e, c_local, targets, bias, weight, opts, group, check_replicated, gl
             "their inputs (see the error raised there); no rank ran the loss"
         )
     for i, name in enumerate(_SAME):
+        if name == "N" and tokens_sharded:
+            continue
         col = table[:, 2 + i]
         if not bool((col == col[0]).all()):
             vals = col.tolist()
@@ -455,7 +489,8 @@ def _layout(e, c_local, targets, bias, weight, opts, group, check_replicated, gl
                 hint = " (e and targets must hold the same tokens on every rank)"
             raise ValueError(f"[cce vocab-parallel, rank {rank}] '{name}' differs across ranks: {vals}{hint}")
     sizes = tuple(int(v) for v in table[:, 1].tolist())
-    lay = _Layout(rank, world, sizes)
+    ns = tuple(int(v) for v in table[:, 2 + _SAME.index("N")].tolist())
+    lay = _Layout(rank, world, sizes, ns)
     if global_V is not None and lay.V != global_V:
         raise ValueError(
             f"[cce vocab-parallel, rank {rank}] the ranks' blocks (sizes {list(sizes)}, total "
@@ -529,36 +564,9 @@ def _replicated_local(name, t):
 # ---------------------------------------------------------------------------------------------
 
 
-def vocab_parallel_with_options(
-    e: torch.Tensor,
-    c: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    opts: CCEOptions,
-    process_group=None,
-    *,
-    check_replicated: bool = True,
-):
-    """:func:`linear_cross_entropy_vocab_parallel` with its options in a :class:`CCEOptions`
-    (the form ``cce.linear.linear_cross_entropy_with_options`` dispatches to)."""
-    from .linear import _prepare, select_impl
-
-    global_V = None
-    if _is_dtensor(c):
-        c, bias, weight, process_group, global_V = _from_dtensor(c, bias, weight, process_group)
-    if process_group is None:
-        raise ValueError(
-            "vocabulary parallelism needs process_group= (or a DTensor classifier sharded Shard(0))"
-        )
-    if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized (call init_process_group first)")
-    e = _replicated_local("e", e)
-    targets = _replicated_local("targets", targets)
-    lay = _layout(e, c, targets, bias, weight, opts, process_group, check_replicated, global_V)
-    impl = select_impl(opts.impl, e.device)
-
-    e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
+def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: _Layout, impl, group, tokens_sharded):
+    """Per-token (loss, lse, valid, w_t) over the whole vocabulary for the rows e2d[rows] and
+    the global targets tgt, from this rank's block and one all-gather of statistics."""
     valid = tgt != opts.ignore_index
     start, V_local = lay.start, c.shape[0]
     inblk = valid & (tgt >= start) & (tgt < start + V_local)
@@ -571,9 +579,11 @@ def vocab_parallel_with_options(
         valid=valid,
         softcap=opts.softcap_value,
         smoothing=smoothing,
-        filter_eps=opts.resolved_filter_eps(e.dtype),
+        filter_eps=opts.resolved_filter_eps(e2d.dtype),
     )
-    lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, impl, process_group)
+    # Replicated tokens: the local op all-reduces dE itself. Sharded tokens: the all-gather of
+    # the tokens reduce-scatters it in its backward.
+    lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, impl, None if tokens_sharded else group)
 
     # One all-gather of everything the loss needs: lse, tgt[, ssum][, w_t, W] per rank.
     parts = [lse_r, tgt_r]
@@ -583,7 +593,8 @@ def vocab_parallel_with_options(
         wl = weight.to(lse_r.dtype)
         w_t_r = torch.where(inblk, wl[local_t.clamp(min=0)], 0.0)  # w_t where t is in my block
         parts += [w_t_r, wl.sum().reshape(1)]
-    G = _GatherReplicated.apply(torch.cat(parts), process_group).float()  # [world, K]
+    gather = _GatherSummed if tokens_sharded else _GatherReplicated
+    G = gather.apply(torch.cat(parts), group).float()  # [world, K]
     N = tgt.numel()
     lse = torch.logsumexp(G[:, :N], dim=0)
     tgt_g = G[:, N : 2 * N].sum(0)
@@ -599,13 +610,115 @@ def vocab_parallel_with_options(
         w_t = valid.float()
         W = float(lay.V)
     k = _math.LossConsts(float(opts.label_smoothing), float(opts.z_loss), lay.V)
-    loss_tok = _math.token_loss(lse, tgt_g, ssum, w_t, W, valid, k)
+    return _math.token_loss(lse, tgt_g, ssum, w_t, W, valid, k), lse, valid, w_t
+
+
+def _finish(loss_tok, lse, valid, w_t, opts: CCEOptions, out_shape):
     loss = _math.reduce_loss(loss_tok, w_t, opts.reduction)
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
     if opts.return_lse:
         return loss, torch.where(valid, lse, 0.0).reshape(out_shape)
     return loss
+
+
+def _group_of(c, bias, weight, process_group):
+    global_V = None
+    if _is_dtensor(c):
+        c, bias, weight, process_group, global_V = _from_dtensor(c, bias, weight, process_group)
+    if process_group is None:
+        raise ValueError(
+            "vocabulary parallelism needs process_group= (or a DTensor classifier sharded Shard(0))"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized (call init_process_group first)")
+    return c, bias, weight, process_group, global_V
+
+
+def vocab_parallel_with_options(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    opts: CCEOptions,
+    process_group=None,
+    *,
+    check_replicated: bool = True,
+):
+    """:func:`linear_cross_entropy_vocab_parallel` with its options in a :class:`CCEOptions`
+    (the form ``cce.linear.linear_cross_entropy_with_options`` dispatches to)."""
+    from .linear import _prepare, select_impl
+
+    c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
+    e = _replicated_local("e", e)
+    targets = _replicated_local("targets", targets)
+    lay = _layout(e, c, targets, bias, weight, opts, group, check_replicated, global_V)
+    impl = select_impl(opts.impl, e.device)
+    e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
+    out = _stats_loss(e2d, rows, tgt, c, bias, weight, opts, lay, impl, group, tokens_sharded=False)
+    return _finish(*out, opts, out_shape)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """[n, D] -> [world * n, D] all-gather of every rank's tokens; backward reduce-scatters
+    (sums every rank's gradient of this rank's rows)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, group).flatten(0, 1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        g = g.contiguous()
+        out = g.new_empty((g.shape[0] // world, *g.shape[1:]))
+        dist.reduce_scatter_tensor(out, g, group=ctx.group)
+        return out, None
+
+
+def vocab_parallel_sharded_tokens(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    opts: CCEOptions,
+    process_group=None,
+    *,
+    grad_divide: float = 1.0,
+):
+    """Vocabulary parallelism when every rank has its own tokens (data parallel, e.g. FSDP2).
+
+    The tokens (``e`` rows, O(N D) per rank, after the shift) are all-gathered instead of the
+    classifier (O(V D)); every rank computes its block's statistics for all ranks' tokens, the
+    statistics are combined as in :func:`linear_cross_entropy_vocab_parallel`, and each rank
+    returns the loss of its own tokens. Backward: each rank's ``e`` gets the gradient of its own
+    loss (a reduce-scatter); ``c_local`` / ``bias`` get the sum over ranks of every rank's loss
+    gradient for the block, divided by ``grad_divide`` (the number of ranks reproduces FSDP2's
+    gradient averaging). Ranks may hold different numbers of tokens.
+    """
+    from .linear import _prepare, select_impl
+
+    c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
+    lay = _layout(e, c, targets, bias, weight, opts, group, False, global_V, tokens_sharded=True)
+    impl = select_impl(opts.impl, e.device)
+    e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
+    if rows is not None:
+        e2d = e2d.index_select(0, rows)  # the shifted rows, so that all ranks' rows line up
+    n, n_max = tgt.numel(), max(lay.ns)
+    if n_max > n:  # pad to a common length with ignored rows
+        e2d = torch.nn.functional.pad(e2d, (0, 0, 0, n_max - n))
+        tgt = torch.nn.functional.pad(tgt, (0, n_max - n), value=opts.ignore_index)
+    E = _GatherTokens.apply(e2d.contiguous(), group)  # [world * n_max, D]
+    T = _all_gather(tgt, group).flatten()
+    if grad_divide != 1.0:
+        c = _ScaleGrad.apply(c, 1.0 / grad_divide)
+        bias = None if bias is None else _ScaleGrad.apply(bias, 1.0 / grad_divide)
+    loss_tok, lse, valid, w_t = _stats_loss(E, None, T, c, bias, weight, opts, lay, impl, group, True)
+    mine = slice(lay.rank * n_max, lay.rank * n_max + n)
+    return _finish(loss_tok[mine], lse[mine], valid[mine], w_t[mine], opts, out_shape)
 
 
 def linear_cross_entropy_vocab_parallel(
@@ -711,14 +824,22 @@ def lm_head_linear_cross_entropy(
     targets: torch.Tensor,
     *,
     weight: torch.Tensor | None = None,
+    fsdp: str = "gather",
     **options,
 ):
     """Linear cross entropy of an ``nn.Linear``-like head (``.weight (V, D)``, optional ``.bias``).
 
     - plain weight: :func:`cce.linear_cross_entropy`;
     - ``lm_head`` wrapped with ``torch.distributed.fsdp.fully_shard`` (FSDP2, data parallel, each
-      rank its own tokens): through :func:`call_unsharded`, so that FSDP2 gathers the weight
-      and reduce-scatters its gradient as it does for ``lm_head(hidden)``;
+      rank its own tokens):
+
+      - ``fsdp="gather"`` (default): through :func:`call_unsharded`, so that FSDP2 gathers the
+        weight and reduce-scatters its gradient as it does for ``lm_head(hidden)``;
+      - ``fsdp="vocab_parallel"``: the weight stays sharded; the tokens are all-gathered instead
+        (O(N D) per rank rather than O(V D)) and each rank computes its shard's part of every
+        rank's loss (:func:`vocab_parallel_sharded_tokens`). The shard's gradient is written
+        directly, averaged over the ranks as FSDP2 does by default (a 1-D mesh is required;
+        FSDP2's own hooks, e.g. a custom gradient divide factor or CPU offload, are bypassed);
     - weight a ``DTensor`` sharded ``Shard(0)`` (tensor parallel, the same tokens on every rank):
       vocabulary parallelism over its mesh group, no gather of the weight.
 
@@ -726,6 +847,22 @@ def lm_head_linear_cross_entropy(
     FSDP module (e.g. managed by a parent's ``fully_shard`` and read outside the parent's forward)
     goes through the vocabulary-parallel checks, which reject differing (data-parallel) ``e``.
     """
+    if fsdp not in ("gather", "vocab_parallel"):
+        raise ValueError(f"fsdp must be 'gather' or 'vocab_parallel', got {fsdp!r}")
+    if fsdp == "vocab_parallel" and _fsdp_module(lm_head) and _is_dtensor(lm_head.weight):
+        c = lm_head.weight
+        if c.device_mesh.ndim != 1:
+            raise ValueError(
+                "fsdp='vocab_parallel' needs a 1-D FSDP2 mesh (plain FSDP, not HSDP); use fsdp='gather'"
+            )
+        bias = getattr(lm_head, "bias", None)
+        # FSDP2 keeps the shards in the parameter dtype; compute in the hidden states' dtype as
+        # its mixed-precision forward would (a differentiable cast, the gradient comes back fp32).
+        c = c.to(e.dtype)
+        bias = None if bias is None else bias.to(e.dtype)
+        opts = CCEOptions(**options)
+        world = c.device_mesh.size()
+        return vocab_parallel_sharded_tokens(e, c, targets, bias, weight, opts, grad_divide=float(world))
 
     def loss(e_, t_):
         c = lm_head.weight
@@ -743,5 +880,6 @@ __all__ = [
     "call_unsharded",
     "linear_cross_entropy_vocab_parallel",
     "lm_head_linear_cross_entropy",
+    "vocab_parallel_sharded_tokens",
     "vocab_parallel_with_options",
 ]

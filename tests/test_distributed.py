@@ -96,6 +96,16 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # level even where one device filters (filter_eps=1e-3 on peaked logits).
 FILTER_CASES = {"filter_1e-3": dict(opts=dict(filter_eps=1e-3), scale=16.0)}
 DTENSOR_CASES = ("dtensor", "dtensor_bias_shift")
+# Data parallel (each rank its own tokens, different counts) with the classifier split by rows:
+# vocab_parallel_sharded_tokens against one process on each rank's own tokens.
+SHARDED_TOKEN_CASES: dict[str, dict] = {
+    "tokens_sharded_mean": dict(bias=True, opts=dict(shift=True)),
+    "tokens_sharded_everything": dict(
+        bias=True,
+        weight=True,
+        opts=dict(softcap=4.0, label_smoothing=0.1, z_loss=1e-3, return_lse=True, reduction="none"),
+    ),  # fmt: skip
+}
 ERROR_CASES = (
     "err_e_mismatch",
     "err_targets_mismatch",
@@ -108,7 +118,7 @@ ERROR_CASES = (
     "err_dtensor_not_covering",
     "err_no_group",
 )
-FSDP_CASES = ("fsdp_head_separate", "fsdp_root_only_inside_forward")
+FSDP_CASES = ("fsdp_head_separate", "fsdp_head_vocab_parallel", "fsdp_root_only_inside_forward")
 # cce.linear_cross_entropy(..., process_group=) and a DTensor classifier through the public API
 # (run once cce.linear forwards them to cce.distributed).
 API_INTEGRATED = "process_group" in inspect.signature(cce.linear_cross_entropy).parameters
@@ -246,6 +256,43 @@ def _filter_case(name, spec, rank, world, group):
     assert rel_err(par[0], exact[0]) <= TOL_FP32
 
 
+def _sharded_tokens_case(name, spec, rank, world, group):
+    from cce.distributed import vocab_parallel_sharded_tokens
+    from cce.options import CCEOptions
+
+    opts = spec["opts"]
+    inputs = [_inputs(f"{name}-{r}", spec) for r in range(world)]
+    # Every rank's tokens: the first 3 + r sequences (different counts per rank); c, b, w shared.
+    _, c, _, b, w = inputs[0]
+    toks = [(inp[0][: 1 + r % 3], inp[2][: 1 + r % 3]) for r, inp in enumerate(inputs)]
+    sizes = _split(world, "skewed")
+    block = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    refs = [
+        loss_and_grads(
+            lambda *a, **k: cce.linear_cross_entropy(*a, weight=w, impl="torch", **k),
+            _leaf(er),
+            _leaf(c),
+            tr,
+            _leaf(b),
+            generator=torch.Generator().manual_seed(7 + r),
+            **opts,
+        )  # fmt: skip
+        for r, (er, tr) in enumerate(toks)
+    ]
+    e, t = toks[rank]
+    wl = None if w is None else w[block]
+
+    def fn(e_, c_, t_, b_, **k):
+        return vocab_parallel_sharded_tokens(e_, c_, t_, b_, wl, CCEOptions(impl="torch", **k), group)
+
+    got = loss_and_grads(fn, _leaf(e), _leaf(c, block), t, _leaf(b, block),
+                         generator=torch.Generator().manual_seed(7 + rank), **opts)  # fmt: skip
+    # This rank's loss and dE are its own tokens'; dC / dbias of the block sum every rank's.
+    ref_loss, ref_lse, ref_grads = refs[rank]
+    summed = [ref_grads[0]] + [sum(ref[2][i] for ref in refs) for i in (1, 2)]
+    _compare(name, got, (ref_loss, ref_lse, summed), TOL_FP32, block)
+
+
 def _dtensor_case(name, rank, world, group):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -351,10 +398,10 @@ def _error_case(name, rank, world, group):
 
 
 class _Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, head_bias=False):
         super().__init__()
         self.body = torch.nn.Linear(D, D)
-        self.lm_head = torch.nn.Linear(D, V, bias=False)
+        self.lm_head = torch.nn.Linear(D, V, bias=head_bias)
 
     def forward(self, x, t=None):
         h = torch.tanh(self.body(x))
@@ -374,16 +421,27 @@ def _fsdp_case(name, rank, world, group):
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(_seed(name))
-    model = _Model()
+    vp = name == "fsdp_head_vocab_parallel"
+    model = _Model(head_bias=vp)
     ref_model = copy.deepcopy(model)
     data = []
     for r in range(world):
         g = torch.Generator().manual_seed(_seed(name) + r)
-        x = torch.randn(2, 9, D, generator=g)
-        t = torch.randint(0, V, (2, 9), generator=g)
+        T = 9 + 2 * r if vp else 9  # vocab_parallel: ranks with different token counts
+        x = torch.randn(2, T, D, generator=g)
+        t = torch.randint(0, V, (2, T), generator=g)
         t[0, 3] = -100
         data.append((x, t))
-    if name == "fsdp_head_separate":
+    if vp:
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+        def step(m, x, t):
+            return lm_head_linear_cross_entropy(
+                m.lm_head, m(x), t, fsdp="vocab_parallel", shift=True, label_smoothing=0.1, impl="torch"
+            )
+
+    elif name == "fsdp_head_separate":
         fully_shard(model.lm_head, mesh=mesh)
         fully_shard(model, mesh=mesh)
 
@@ -516,6 +574,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
                 _eq_case(name, TRITON_CASES[name], rank, world, group)
             elif name in FILTER_CASES:
                 _filter_case(name, FILTER_CASES[name], rank, world, group)
+            elif name in SHARDED_TOKEN_CASES:
+                _sharded_tokens_case(name, SHARDED_TOKEN_CASES[name], rank, world, group)
             elif name in DTENSOR_CASES:
                 _dtensor_case(name, rank, world, group)
             elif name in ERROR_CASES:
@@ -546,6 +606,7 @@ ALL_CASES = [
     *(TRITON_CASES if INTERPRETING else ()),
     *FILTER_CASES,
     *DTENSOR_CASES,
+    *SHARDED_TOKEN_CASES,
     *ERROR_CASES,
     *FSDP_CASES,
 ]
