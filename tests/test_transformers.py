@@ -311,3 +311,34 @@ def test_autocast_bf16():
     # 2e-5 relative; 1e-3 bounds it. What this guards is that the patched path runs at all under
     # autocast (autocast must not leak into cce's op) and returns an fp32 loss and gradients.
     assert abs(got.item() - exp.item()) <= 1e-3 * exp.item()
+
+
+def test_existing_instance_forwards_are_kept():
+    """Forwards already set on the instances (accelerate's hooks, as device_map="auto" adds) still run."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Count(hooks.ModelHook):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    ref = build("llama")
+    model = copy.deepcopy(ref)
+    top, head = Count(), Count()
+    hooks.add_hook_to_module(model, top)
+    hooks.add_hook_to_module(model.lm_head, head)
+    cce_hf.patch(model, impl="torch")
+    ids, labels = batch(8)
+    out = model(input_ids=ids, labels=labels)
+    assert top.calls == 1 and head.calls == 0  # labelled: the head's matmul (and its hook) is skipped
+    assert abs(out.loss.item() - ref(input_ids=ids, labels=labels).loss.item()) <= TOL * out.loss.item()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    assert top.calls == 2 and head.calls == 1
+    cce_hf.unpatch(model)
+    model(input_ids=ids)
+    assert top.calls == 3 and head.calls == 2  # the hooks survive unpatch
