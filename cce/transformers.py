@@ -5,18 +5,22 @@
     out = model(input_ids, labels=labels)         # out.loss from cce, out.logits is None
 
 One generic mechanism serves every ``*ForCausalLM`` whose forward runs ``lm_head`` once on the final
-hidden states: the instance (never the class) gets a forward that, when ``labels`` are given, calls the
-model's own forward with ``labels=None`` while ``lm_head`` temporarily *captures* its input instead of
-computing logits (it returns an empty ``(..., 0)`` tensor, so the family's own post-processing of the
-logits runs on nothing). The loss is then computed from the captured hidden states and
-``lm_head.weight`` by :func:`cce.linear_cross_entropy`. The family's output transforms are read from
-the config: ``final_logit_softcapping`` (Gemma 2/3) becomes ``softcap``, ``logit_scale`` (Cohere,
-multiplies the logits) and ``logits_scaling`` (Granite, divides them) scale the hidden states, which
-is the same as scaling the logits and costs an ``N x D`` copy instead of a ``V x D`` one.
+hidden states. ``patch`` sets a forward on the model *instance* (never the class) and one on its
+``lm_head`` instance; both read one small per-instance state object (options, flags). When labels
+are given, the model's own forward runs with ``labels=None`` while the head *captures* its input
+instead of computing logits (it returns an empty ``(..., 0)`` tensor, so the family's own
+post-processing of the logits runs on nothing). The loss is then computed from the captured hidden
+states and ``lm_head.weight`` by :func:`cce.linear_cross_entropy`. The family's output transforms
+are read from the model and its config when patching: ``final_logit_softcapping`` (Gemma 2/3)
+becomes ``softcap``; ``logit_scale`` (Cohere, multiplies the logits) and ``logits_scaling``
+(Granite, divides them) scale the hidden states, which is the same as scaling the logits and costs
+an ``N x D`` product instead of a ``V x D`` copy; a mixture-of-experts router loss
+(``aux_loss`` x ``router_aux_loss_coef``) is added as the unpatched forward adds it with labels.
 
 Without labels (generation, evaluation without labels) the model's own forward runs unchanged.
-The options live on the instance (``model._cce_options``), so two patched models can differ.
-This module does not import ``transformers``; it works on any model that follows its conventions.
+The state lives on the instance (``model._cce_state``), so two patched models can differ, and a
+deep copy is patched independently. This module does not import ``transformers``: it works on
+any model that follows these conventions, and it traces under ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -34,10 +38,6 @@ from .linear import linear_cross_entropy_with_options
 from .options import CCEOptions
 
 __all__ = ["is_patched", "options", "patch", "unpatch"]
-
-# Options a user may set; the rest (reduction, shift, softcap, return_lse) follow from the model and
-# from each call (softcap from the config, reduction "sum" when the Trainer passes num_items_in_batch).
-_USER_OPTIONS = ("ignore_index", "label_smoothing", "z_loss", "filter_eps", "impl")
 
 _STATE_ATTR = "_cce_state"
 
@@ -254,8 +254,9 @@ def patch(
     argument is used as given, unshifted. Without labels the model behaves exactly as before.
 
     The options are those of :func:`cce.linear_cross_entropy` that make sense for a model (see
-    docs/api.md); ``softcap`` and the logit scale come from the model's config. They are stored on
-    this instance only. Patching a patched model replaces its options. Returns ``model``.
+    docs/api.md); ``reduction`` and ``shift`` follow from each call, ``softcap`` and the logit scale
+    from the model's config, read now (patch again after changing them). They are stored on this
+    instance only. Patching a patched model replaces its options. Returns ``model``.
 
     Raises ValueError / TypeError naming what is missing when the model has no ``config``, no
     ``lm_head`` nn.Linear, or a forward without a ``labels`` argument.
@@ -270,13 +271,12 @@ def patch(
     if not isinstance(model, nn.Module):
         raise TypeError(f"cce.transformers.patch expects an nn.Module, got {type(model).__name__}")
     _text_config(model)
-    _output_layer(model)
+    head = _output_layer(model)
     if "labels" not in inspect.signature(type(model).forward).parameters:
         raise ValueError(
             f"cce.transformers.patch: {type(model).__name__}.forward has no `labels` argument; "
             "expected a causal LM (*ForCausalLM)"
         )
-    head = _output_layer(model)
     scale, softcap = _logit_transform(model)
     old = model.__dict__.get(_STATE_ATTR)
     if old is not None:  # re-patching: new options, same hooks
