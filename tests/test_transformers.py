@@ -56,6 +56,11 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"logits_scaling": 0.25, "initializer_range": 0.1}),
     "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 4.0, "initializer_range": 0.1}),
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        {"logit_scale": 4.0, "initializer_range": 0.1, "sliding_window": 8},
+    ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
     # Mixture of experts: the router's load-balancing loss is added to the labelled loss.
     "mixtral": (
@@ -69,7 +74,7 @@ FAMILIES = {
         },
     ),
 }
-TRANSFORMED = ("gemma2", "gemma3_text", "granite", "cohere")
+TRANSFORMED = ("gemma2", "gemma3_text", "granite", "cohere", "cohere2")
 
 
 def build(family: str, seed: int = 0):
