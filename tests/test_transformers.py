@@ -347,3 +347,18 @@ def test_existing_instance_forwards_are_kept():
     cce_hf.unpatch(model)
     model(input_ids=ids)
     assert top.calls == 3 and head.calls == 2  # the hooks survive unpatch
+
+
+def test_gradient_checkpointing():
+    ref = build("qwen2")
+    model = cce_hf.patch(copy.deepcopy(ref), impl="torch")
+    for m in (ref, model):
+        m.train()
+        m.gradient_checkpointing_enable()
+    ids, labels = batch(9)
+    out = model(input_ids=ids, labels=labels, use_cache=False)
+    exp = ref(input_ids=ids, labels=labels, use_cache=False)
+    assert abs(out.loss.item() - exp.loss.item()) <= TOL * exp.loss.item()
+    out.loss.backward()
+    exp.loss.backward()
+    assert_grads_close(grads(model), grads(ref))
