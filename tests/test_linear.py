@@ -9,8 +9,8 @@ so every difference is the implementation's own rounding. The CPU implementation
   |dL| <= logit_err = D u max_iv sum_d |e_id c_vd| + u (max|z| + max|b| + softcap).
 * accumulation: every sum has at most n = V + D + N terms; its relative error against the sum of
   its terms' magnitudes is <= gamma_n ~ n u (+ 16 u for exp / log / division): acc_rel. fp64
-  inputs add 8 fp32 roundings (loss and lse are fp32 by contract; the saved lse enters the z-loss
-  gradient).
+  inputs add u_fp32 (8 + 2 max|lse|): loss and lse are fp32 by contract, and the backward
+  rebuilds the softmax as exp(L - lse) from the saved fp32 lse.
 * loss: per token, the terms combined (w (lse - tgt), smoothing, z lse^2) have magnitude
   s_i = 1 + w_max (1 + |lse| + max|L|) + z lse^2; a logit error moves the loss by <= 3 s_i
   logit_err. Bound: (acc_rel + 4 logit_err) * s, s reduced like the loss (relative to what
@@ -116,11 +116,15 @@ def rounding_budget(e, c, t, b, **opts):
     fp64 = e.dtype == torch.float64
     u = 2.0**-53 if fp64 else 2.0**-24
     shift, softcap = opts.get("shift", False), opts.get("softcap")
-    E, _, z, _ = problem_rows(e, c, t, b, shift=shift, softcap=softcap)
+    E, L, z, _ = problem_rows(e, c, t, b, shift=shift, softcap=softcap)
     V, D = c.shape
-    acc_rel = (V + D + E.shape[0] + 16) * u + (8 * 2.0**-24 if fp64 else 0.0)
+    acc_rel = (V + D + E.shape[0] + 16) * u
     if E.shape[0] == 0:
         return acc_rel, 0.0
+    if fp64:
+        # The loss and the lse are fp32 by contract, and the backward rebuilds the softmax as
+        # exp(L - lse) from the saved fp32 lse: relative error u_fp32 (1 + |lse|) in p.
+        acc_rel += 2.0**-24 * (8 + 2 * float(torch.logsumexp(L, -1).abs().max()))
     prod = float((E.abs() @ c.detach().double().abs().T).max())
     bmax = 0.0 if b is None else float(b.detach().double().abs().max())
     logit_err = D * u * prod + u * (float(z.abs().max()) + bmax + (softcap or 0.0))
@@ -238,7 +242,7 @@ def problems(draw, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.f
         bias=draw(st.booleans()),
         weight=draw(st.booleans()),
         ignore_frac=draw(st.sampled_from([0.0, 0.2, 0.6])),
-        scale=draw(st.sampled_from([1.0, 4.0])),
+        scale=draw(st.sampled_from([1.0, 4.0, 16.0])),
         needs=draw(st.sampled_from(["all", "all", "no_e", "no_c"])),
         seed=draw(st.integers(0, 2**16)),
         opts=opts,
