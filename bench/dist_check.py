@@ -219,6 +219,10 @@ def shape_run(name: str, args, dev, group) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     N, D, V = ALL_SHAPES[name]
     e, c, t = make_inputs(N, D, V, args.regime, dtype=args.dtype, device=dev, seed=0)
+    # Sampling on two GPUs is not bit-identical (zipf targets): every rank takes rank 0's inputs,
+    # as replicated activations would be.
+    for x in (e, c, t):
+        dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group)
     sizes = _split(V, world, uneven=False)
     blk = _block(sizes, rank)
     e = e.requires_grad_()
