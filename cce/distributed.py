@@ -147,75 +147,14 @@ class _Local:
     filter_eps: float
 
 
-# Bytes of fp32 chunk temporaries (logits and their tanh) the torch local op allows at once.
-CHUNK_BYTES = 64 << 20
-
-
-class _TorchBlock:
-    """The chunked logits of one vocabulary block (impl="torch"), in the accumulation dtype.
-
-    Kept apart from cce.torch_impl's _Problem (whose chunk loop also carries the one-device
-    loss, precomputed gradients and the CPU tile filter): here only the block's logits are
-    needed, for any per-row coefficients.
-    """
-
-    def __init__(self, e2d, c, bias, lc: _Local):
-        self.acc = torch.float64 if e2d.dtype == torch.float64 else torch.float32
-        self.e2d, self.lc = e2d, lc
-        self.cpu = e2d.device.type == "cpu"
-        # CPU: run the matmuls in fp32 (no fast bf16 kernels there); CUDA: bf16 in, fp32 out.
-        self.c_op = c.to(self.acc) if (self.cpu or c.dtype == self.acc) else c
-        self.bias = None if bias is None else bias.to(self.acc)
-        self.V, self.D = c.shape
-        self.safe_t = lc.local_t.clamp(min=0)
-        # CPU: skip ignored rows (the index needs the host, free there); CUDA: every row.
-        self.order = lc.valid.nonzero().squeeze(1) if self.cpu else None
-        n = lc.valid.numel() if self.order is None else self.order.numel()
-        per_row = self.V * torch.finfo(self.acc).bits // 8 * (2 if lc.softcap > 0 else 1)
-        self.n, self.chunk = n, max(1, min(n, CHUNK_BYTES // max(per_row, 1)))
-
-    def mm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        if b.dtype == self.acc:
-            return torch.mm(a.to(self.acc), b)
-        return torch.mm(a.to(b.dtype), b, out_dtype=self.acc)
-
-    def chunks(self):
-        """(problem rows, e2d rows, e rows in acc or input dtype, logits, tanh or None) per chunk."""
-        rows = self.lc.rows
-        for s in range(0, self.n, self.chunk):
-            if self.order is None:
-                prow = torch.arange(s, min(s + self.chunk, self.n), device=self.e2d.device)
-            else:
-                prow = self.order[s : s + self.chunk]
-            erow = prow if rows is None else rows.index_select(0, prow)
-            ec = self.e2d.index_select(0, erow)
-            ec = ec.to(self.acc) if self.cpu else ec
-            z = self.mm(ec, self.c_op.T)  # [n, V_local]
-            if self.bias is not None:
-                z += self.bias
-            th = None
-            if self.lc.softcap > 0:
-                th = z.div_(self.lc.softcap).tanh_()
-                z = th * self.lc.softcap
-            yield prow, erow, ec, z, th
-
-
 def torch_local_stats(e2d, c, bias, lc: _Local):
-    """(lse, tgt, ssum) of this block per row, in the accumulation dtype (impl="torch").
+    """(lse, tgt, ssum) of this block per row, in the accumulation dtype (impl="torch": the
+    one-device chunk loop of cce.torch_impl on the local targets, a stand-in 0 where the target
+    lives on another rank, masked out here). ssum is None without smoothing."""
+    from .torch_impl import forward_stats
 
-    tgt is 0 where the target is not in the block; ssum is None without smoothing.
-    """
-    blk = _TorchBlock(e2d, c, bias, lc)
-    N, acc, dev = lc.valid.numel(), blk.acc, e2d.device
-    w = None if lc.weight is None else lc.weight.to(acc)
-    lse = torch.zeros(N, dtype=acc, device=dev)
-    tgt = torch.zeros(N, dtype=acc, device=dev)
-    ssum = torch.zeros(N, dtype=acc, device=dev) if lc.smoothing else None
-    for prow, _, _, L, _ in blk.chunks():
-        lse[prow] = torch.logsumexp(L, 1)
-        tgt[prow] = L.gather(1, blk.safe_t[prow][:, None]).squeeze(1)
-        if ssum is not None:
-            ssum[prow] = L.sum(1) if w is None else L @ w
+    t = _local_problem_targets(lc)
+    lse, tgt, ssum = forward_stats(e2d, c, bias, lc.weight, lc.rows, t, -1, lc.softcap, lc.smoothing)
     tgt = torch.where(lc.local_t >= 0, tgt, 0.0)
     return lse, tgt, ssum
 
@@ -223,31 +162,15 @@ def torch_local_stats(e2d, c, bias, lc: _Local):
 def torch_local_grads(e2d, c, bias, lc: _Local, lse, tgt, alpha, beta, gamma, need_de, need_dc, need_db):
     """(dE, dC, dbias) of this block (None where not needed) for
     dZ = (alpha p - beta [v == t] - gamma w) softcap'(z), p = exp(L - lse) with this block's lse
-    (impl="torch"). Exact: no tile filter."""
-    blk = _TorchBlock(e2d, c, bias, lc)
-    acc, dev = blk.acc, e2d.device
-    dE = torch.zeros(e2d.shape, dtype=acc, device=dev) if need_de else None
-    dC = torch.zeros(blk.V, blk.D, dtype=acc, device=dev) if need_dc else None
-    db = torch.zeros(blk.V, dtype=acc, device=dev) if need_db else None
-    lse, alpha, beta = lse.to(acc), alpha.to(acc), beta.to(acc)
-    w = None
-    if gamma is not None:
-        gamma = gamma.to(acc)
-        w = torch.ones(blk.V, dtype=acc, device=dev) if lc.weight is None else lc.weight.to(acc)
-    for prow, erow, ec, L, th in blk.chunks():
-        dZ = L.sub_(lse[prow][:, None]).exp_().mul_(alpha[prow][:, None])  # alpha p, in place
-        dZ.scatter_add_(1, blk.safe_t[prow][:, None], -beta[prow][:, None])  # beta is 0 off-block
-        if gamma is not None:
-            dZ.addr_(gamma[prow], w, alpha=-1.0)
-        if th is not None:
-            dZ.mul_(th.square_().neg_().add_(1.0))  # softcap'(z) = 1 - tanh^2
-        if db is not None:
-            db += dZ.sum(0)
-        if dC is not None:
-            dC += blk.mm(dZ.T, ec)
-        if dE is not None:
-            dE.index_add_(0, erow, blk.mm(dZ, blk.c_op))
-    return dE, dC, db
+    (impl="torch": cce.torch_impl.backward_coeffs, the one-device backward with the coefficients
+    given, tile filter included on CPU)."""
+    from .torch_impl import backward_coeffs
+
+    t = _local_problem_targets(lc)
+    return backward_coeffs(
+        e2d, c, bias, lc.weight, lc.rows, t, lse, alpha, beta, gamma, -1, lc.softcap, lc.filter_eps,
+        need_de, need_dc, need_db,
+    )  # fmt: skip
 
 
 def triton_local_stats(e2d, c, bias, lc: _Local):

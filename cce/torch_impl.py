@@ -251,14 +251,27 @@ class _Problem:
                 dC.addr_(wv, gamma @ ecf, alpha=-1.0)
         return dE_c
 
-    def run(self, g, h, lse_in, need_de, need_dc, need_dbias):
-        """One pass over the chunks: statistics always; gradients if g is given.
+    def loss_coefficients(self, g: torch.Tensor, h: torch.Tensor | None):
+        """Per-chunk (alpha, beta, gamma) of this loss for upstream g (on the loss) and h (lse)."""
 
+        def coef(prow, lse_c):
+            hc = None if h is None else h[prow]
+            return _math.coefficients(
+                g[prow], hc, lse_c.float(), self.w_t[prow], self.W, self.valid[prow], self.k
+            )
+
+        return coef
+
+    def run(self, coef, lse_in, need_de, need_dc, need_dbias):
+        """One pass over the chunks: statistics always; gradients if ``coef`` is given.
+
+        ``coef(prow, lse_chunk) -> (alpha, beta, gamma)`` gives the rows' coefficients of
+        dZ = alpha p - beta [v == t] - gamma w (gamma may be None without smoothing).
         ``lse_in`` (backward) is the saved lse; else it is computed here.
         """
         acc, dev = self.acc, self.e2d.device
         N = self.N
-        want_grad = g is not None
+        want_grad = coef is not None
         lse = torch.zeros(N, dtype=acc, device=dev) if lse_in is None else lse_in
         tgt = torch.zeros(N, dtype=acc, device=dev)
         ssum = torch.zeros(N, dtype=acc, device=dev) if self.k.smoothing else None
@@ -282,11 +295,7 @@ class _Problem:
                 lse_c = lse[prow]
             if not want_grad:
                 continue
-            hc = None if h is None else h[prow]
-            alpha, beta, gamma = _math.coefficients(
-                g[prow], hc, lse_c.float(), self.w_t[prow], self.W, self.valid[prow], self.k
-            )
-            alpha, beta, gamma = alpha.to(acc), beta.to(acc), gamma.to(acc)
+            alpha, beta, gamma = (None if x is None else x.to(acc) for x in coef(prow, lse_c))
             if rowsum is None:
                 self.scaled_softmax_(L, lse_c, alpha)
             else:
@@ -302,6 +311,38 @@ class _Problem:
             Eb = torch.stack([m for _, m in corr])  # [n_chunks, D]
             dC.addmm_(U.T, Eb)
         return lse, tgt, ssum, dE, dC, dbias
+
+
+def forward_stats(e2d, c, bias, weight, rows, targets, ignore_index: int, softcap: float, smoothing: bool):
+    """(lse, tgt, ssum or None) per problem row in the accumulation dtype, 0 at ignored rows.
+
+    The statistics alone, for callers that assemble the loss themselves (cce.distributed).
+    ``label_smoothing`` enters _Problem only as the flag that asks for ssum.
+    """
+    pb = _Problem(e2d, c, bias, weight, rows, targets, ignore_index, softcap, float(smoothing), 0.0, 0.0)
+    lse, tgt, ssum, *_ = pb.run(None, None, False, False, False)
+    return lse, tgt, ssum
+
+
+def backward_coeffs(
+    e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index: int, softcap: float,
+    filter_eps: float, need_de: bool, need_dc: bool, need_dbias: bool,
+):  # fmt: skip
+    """(dE, dC, dbias) in the accumulation dtype (None where not needed) for given per-row
+    coefficients: dZ = (alpha p - beta [v == t] - gamma w) softcap'(z), p = exp(L - lse).
+
+    The impl="torch" twin of cce.triton_impl.triton_backward_coeffs (gamma None: no smoothing).
+    """
+    smoothing = gamma is not None
+    pb = _Problem(
+        e2d, c, bias, weight, rows, targets, ignore_index, softcap, float(smoothing), 0.0, filter_eps
+    )
+
+    def coef(prow, _lse):
+        return alpha[prow], beta[prow], None if gamma is None else gamma[prow]
+
+    _, _, _, dE, dC, db = pb.run(coef, lse.to(pb.acc), need_de, need_dc, need_dbias)
+    return dE, dC, db
 
 
 def _empty(ref: torch.Tensor) -> torch.Tensor:
@@ -336,7 +377,8 @@ def linear_ce_torch_fwd(
     if precompute:
         ones = torch.ones((), dtype=torch.float32, device=e2d.device)
         g = _math.row_upstream(ones, pb.w_t, reduction, pb.N)
-    lse, tgt, ssum, dE, dC, dbias = pb.run(g, None, None, need_de, need_dc, need_dbias)
+    coef = None if g is None else pb.loss_coefficients(g, None)
+    lse, tgt, ssum, dE, dC, dbias = pb.run(coef, None, need_de, need_dc, need_dbias)
     loss_tok = _math.token_loss(
         lse.float(), tgt.float(), None if ssum is None else ssum.float(), pb.w_t, pb.W, pb.valid, pb.k
     )
@@ -404,7 +446,7 @@ def linear_ce_torch_bwd(
     pb = _Problem(
         e2d, c, bias, weight, rows, targets, ignore_index, softcap, label_smoothing, z_loss, filter_eps
     )
-    _, _, _, dE, dC, dbias = pb.run(g, h, lse.to(pb.acc), need_de, need_dc, need_dbias)
+    _, _, _, dE, dC, dbias = pb.run(pb.loss_coefficients(g, h), lse.to(pb.acc), need_de, need_dc, need_dbias)
     return (
         _empty(e2d) if dE is None else dE,
         _empty(c) if dC is None else dC,
@@ -473,7 +515,7 @@ def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
     e_dtype, c_dtype, b_dtype = ctx.dtypes
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     needs = (need_de, need_dc, need_db)
-    if ctx.pre is not None and all(done or not need for done, need in zip(ctx.pre[1], needs)):
+    if ctx.pre is not None and all(done or not need for done, need in zip(ctx.pre[1], needs, strict=True)):
         # The gradients were computed in forward for a unit upstream gradient: scale them in
         # place (no second copy). A second backward through a retained graph recomputes below.
         (dE, dC, db), _ = ctx.pre
