@@ -34,6 +34,7 @@ import types
 import torch
 from torch import nn
 
+from .distributed import call_unsharded
 from .linear import linear_cross_entropy_with_options
 from .options import CCEOptions
 
@@ -145,6 +146,28 @@ def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
     return out
 
 
+def _head_loss(
+    hidden: torch.Tensor, targets: torch.Tensor, *, head: nn.Linear, scale: float, opts: CCEOptions
+):
+    """The loss from the head's parameters; runs where they are whole (see call_unsharded)."""
+    c, bias = head.weight, head.bias
+    e = hidden.to(c.device)
+    # Match what the unpatched lm_head would compute in: under autocast the matmul runs in the
+    # autocast dtype (a cast copy of the weight, as autocast itself makes); else in the weight's
+    # dtype (FSDP2's mixed-precision param dtype included).
+    dev = e.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else c.dtype
+    e, c = e.to(dt), c.to(dt)
+    bias = None if bias is None else bias.to(dt)
+    if scale != 1.0:
+        # softcap(s * (e c^T + b)) = softcap((s e) c^T + s b): scale the N x D side, not the V x D one.
+        e = e * scale
+        bias = None if bias is None else bias * scale
+    # The cast above already picked the compute dtype; autocast must not re-cast inside the op.
+    with torch.autocast(dev, enabled=False):
+        return linear_cross_entropy_with_options(e, c, targets.to(e.device), bias, None, opts)
+
+
 def _cce_loss(
     model: nn.Module,
     st: _PatchState,
@@ -154,30 +177,19 @@ def _cce_loss(
     num_items_in_batch,
 ) -> torch.Tensor:
     head = _output_layer(model)
-    c, bias = head.weight, head.bias
-    e = hidden.to(c.device)
-    # Match what the unpatched lm_head would compute in: under autocast the matmul runs in the
-    # autocast dtype (a cast copy of the weight, as autocast itself makes); else in the weight's dtype.
-    dev = e.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else c.dtype
-    e, c = e.to(dt), c.to(dt)
-    bias = None if bias is None else bias.to(dt)
-    if st.scale != 1.0:
-        # softcap(s * (e c^T + b)) = softcap((s e) c^T + s b): scale the N x D side, not the V x D one.
-        e = e * st.scale
-        bias = None if bias is None else bias * st.scale
     shift = shift_labels is None
-    targets = (labels if shift else shift_labels).to(e.device)
-    if targets.shape != e.shape[:-1]:
+    targets = labels if shift else shift_labels
+    if targets.shape != hidden.shape[:-1]:
         raise ValueError(
             f"cce.transformers: labels of shape {tuple(targets.shape)} do not match the hidden states "
-            f"{tuple(e.shape[:-1])} given to lm_head (a labelled forward must keep every position: "
+            f"{tuple(hidden.shape[:-1])} given to lm_head (a labelled forward must keep every position: "
             "leave logits_to_keep / num_logits_to_keep at 0)"
         )
     opts = st.call_options[("mean" if num_items_in_batch is None else "sum", shift)]
-    # The cast above already picked the compute dtype; autocast must not re-cast inside the op.
-    with torch.autocast(dev, enabled=False):
-        loss = linear_cross_entropy_with_options(e, c, targets, bias, None, opts)
+    # A fully_shard-ed (FSDP2) head has resharded its weight after its own (capturing) forward:
+    # call_unsharded gathers it again around the loss and reduce-scatters its gradient, as FSDP2
+    # does around lm_head(hidden). For any other head it is a plain call.
+    loss = call_unsharded(head, _head_loss, hidden, targets, head=head, scale=st.scale, opts=opts)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
