@@ -10,7 +10,7 @@ CPU_TORCH ?= torch==2.13.0
 GPU_PY ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: install test test-gpu lint format demo bench bench-cpu clean
+.PHONY: install test test-gpu lint format demo demo-gpu bench bench-cpu clean
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,10 @@ format: install
 
 demo: install
 	$(PYTHON) -m examples.demo
+
+# On a GPU host with torch preinstalled: larger model, V = 131072, bf16.
+demo-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m examples.demo --device cuda
 
 bench:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench

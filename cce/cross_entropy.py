@@ -112,7 +112,9 @@ def cross_entropy_with_options(
         from .ce_torch import ce_torch_fwd as fwd
     else:
         from .ce_triton import ce_triton_fwd as fwd
-    loss, lse, *_ = fwd(*args)
+    # The loss is computed in fp32 from the logits as given; autocast must not re-cast inside.
+    with torch.autocast(logits.device.type, enabled=False):
+        loss, lse, *_ = fwd(*args)
 
     def per_token(x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(targets.shape)

@@ -81,7 +81,31 @@ def linear_cross_entropy_with_options(
         from .distributed import vocab_parallel_with_options
 
         return vocab_parallel_with_options(e, c, targets, bias, weight, opts, process_group)
+    e, c, bias = _autocast_operands(e, c, bias)
     check_linear_inputs(e, c, targets, bias, weight, opts)
+    # The ops compute in the operands' dtype with fp32 accumulation; autocast must not re-cast
+    # the matmuls inside them (it would mix dtypes in their in-place accumulations).
+    with torch.autocast(e.device.type, enabled=False):
+        return _linear_cross_entropy(e, c, targets, bias, weight, opts)
+
+
+def _autocast_operands(e, c, bias):
+    """Under autocast, the matmul operands in the autocast dtype, as ``lm_head(e)`` would use.
+
+    The casts are ordinary differentiable ops, so fp32 parameters get fp32 gradients.
+    """
+    dev = e.device.type if isinstance(e, torch.Tensor) else "cpu"
+    if dev not in ("cpu", "cuda", "mps", "xpu") or not torch.is_autocast_enabled(dev):
+        return e, c, bias
+    dt = torch.get_autocast_dtype(dev)
+
+    def cast(t):
+        return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return cast(e), cast(c), cast(bias)
+
+
+def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
     impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
     need_de, need_dc, need_db = _needs_grad(e), _needs_grad(c), _needs_grad(bias)

@@ -238,7 +238,8 @@ class _Problem:
         if dbias is not None:
             dbias.index_add_(0, tc, -bt)
             if unfolded_smoothing:
-                dbias.add_(w if w is not None else torch.ones_like(dbias), alpha=-float(gamma.sum()))
+                # gamma.sum() stays a tensor: a Python float would synchronise with the device.
+                dbias.sub_((w if w is not None else torch.ones_like(dbias)) * gamma.sum())
         if need_de:
             dE_c -= bt[:, None] * self.c_op.index_select(0, tc).to(self.acc)
             if unfolded_smoothing:

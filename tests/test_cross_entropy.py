@@ -4,6 +4,8 @@ against the fp64 oracle under random upstream gradients."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from helpers import rel_err
@@ -18,6 +20,10 @@ from cce.reference import cross_entropy_reference
 # computed in fp32 and stored in the logits' dtype: fp32 ~1e-6, fp16 rounding ~2^-12 (3e-4)
 # relative L2. Bounds are a few times those figures.
 LOSS_TOL = 1e-5
+# A token's loss is a difference, lse - L_t (+ smoothing, z-loss terms), of numbers up to
+# m = 2 max|L| + log V in size; each is computed in fp32, so a tiny loss (a confident row) carries
+# an absolute error of a few fp32 ulps of m, not of the loss: 16 ulps (1e-6) of that scale.
+TERM_TOL = 1e-6
 # float64 logits (impl="torch") are reduced in fp64, but the loss and the row coefficients are fp32.
 GRAD_TOL = {torch.float32: 1e-5, torch.float16: 1.5e-3, torch.float64: 1e-5}
 
@@ -31,6 +37,20 @@ def make(lead, V, dtype=torch.float32, *, ignore_frac=0.15, scale=3.0, seed=0, i
     return x, t
 
 
+def _term_scale(x, t, *, z_loss=0.0, shift=False, ignore_index=-100, reduction="mean", **_):
+    """Size of the terms the loss is computed from: per valid row m = 2 max|L| + log V (times
+    1 + z m with z-loss), reduced as the loss is (sum; the largest for a mean, a weighted mean
+    of rows; the 2-norm for "none", matching the norm-wise comparison)."""
+    L = x.detach().double()
+    if shift:
+        L, t = L[..., :-1, :], t[..., 1:]
+    m = 2 * L.abs().amax(-1) + math.log(L.shape[-1])
+    m = (m * (1 + z_loss * m))[t != ignore_index]
+    if m.numel() == 0:
+        return 0.0
+    return float({"sum": m.sum(), "mean": m.max(), "none": m.norm()}[reduction])
+
+
 def check(x, t, *, impl, inplace=False, seed=1, **kw):
     """cce vs the fp64 oracle: outputs, and the gradient under random upstream gradients."""
     g = torch.Generator().manual_seed(seed)
@@ -42,10 +62,13 @@ def check(x, t, *, impl, inplace=False, seed=1, **kw):
     x64 = x.detach().double().requires_grad_()
     ref = cross_entropy_reference(x64, t, dtype=torch.float64, **kw)
     refs = ref if isinstance(ref, tuple) else (ref,)
+    scale = _term_scale(x, t, **kw)
     for o, r in zip(outs, refs, strict=True):
         assert o.dtype == torch.float32
         assert o.shape == r.shape
-        assert rel_err(o.detach(), r.detach()) < LOSS_TOL, (rel_err(o.detach(), r.detach()), kw)
+        err = float((o.detach().double() - r.detach()).norm())
+        allowed = LOSS_TOL * float(r.detach().norm()) + TERM_TOL * scale
+        assert err <= allowed, (err, allowed, kw)
     total = sum((o * u.float()).sum() for o, u in zip(outs, ups, strict=True))
     if not total.requires_grad:  # e.g. nothing to differentiate
         return
@@ -74,7 +97,7 @@ options = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     opts=options,
     B=st.integers(1, 3),
@@ -168,7 +191,7 @@ def test_triton_interpreter_matches_oracle(name, dtype, lead, V, opts):
     check(x, t, impl="triton", inplace=inplace, **opts)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     opts=options,
     rows=st.integers(1, 6),
@@ -178,6 +201,8 @@ def test_triton_interpreter_matches_oracle(name, dtype, lead, V, opts):
 )
 def test_triton_interpreter_properties(opts, rows, V, dtype, seed):
     opts = dict(opts)
+    if rows < 2:  # shift needs a sequence of >= 2 positions (a bad input, tested elsewhere)
+        opts.pop("shift", None)
     x, t = make((2, rows), V, dtype, seed=seed, ignore_index=opts.get("ignore_index", -100))
     if opts.pop("weight", False):
         opts["weight"] = torch.rand(V, generator=torch.Generator().manual_seed(seed)) + 0.1
@@ -322,3 +347,17 @@ def test_compile_fullgraph_cpu():
     ref = cross_entropy_reference(x, t, shift=True, z_loss=1e-3)
     assert rel_err(loss.detach(), ref) < LOSS_TOL
     assert torch.isfinite(xl.grad).all()
+
+
+def test_autocast_does_not_recast_logits():
+    """Under autocast the loss is still computed from the logits as given (fp32 here): bit-equal
+    to the same call without autocast, gradient in the logits' dtype."""
+    x = torch.randn(6, 40, requires_grad=True)
+    t = torch.randint(0, 40, (6,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cross_entropy(x, t, impl="torch", label_smoothing=0.1)
+    (g,) = torch.autograd.grad(loss, x)
+    ref = cross_entropy(x, t, impl="torch", label_smoothing=0.1)
+    (gref,) = torch.autograd.grad(ref, x)
+    assert loss.dtype == torch.float32 and g.dtype == torch.float32
+    assert torch.equal(loss, ref) and torch.equal(g, gref)

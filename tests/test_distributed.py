@@ -651,17 +651,7 @@ def test_public_api(group_results, case):
 @pytest.mark.skipif(transformers is None, reason="needs transformers")
 @pytest.mark.parametrize(
     "case",
-    [
-        "hf_patch_fsdp_layers",
-        pytest.param(
-            "hf_patch_fsdp_head",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="cce.transformers reads lm_head.weight after lm_head's FSDP2 post-forward "
-                "resharded it; _cce_loss must run through cce.distributed.call_unsharded(head, ...)",
-            ),
-        ),
-    ],
+    ["hf_patch_fsdp_layers", "hf_patch_fsdp_head"],
 )
 def test_transformers_patch_fsdp2(group_results, case):
     if group_results[0] != 2:

@@ -794,3 +794,21 @@ def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant, monkeypatc
             assert dropped[name] > 2 * tol, "construction too weak to detect a missing correction"
         diff = float((got[2][name].double() - ref[2][name].double()).norm())
         assert diff <= tol, f"d{name}: {diff:.3g} > {tol:.3g} (uncorrected drop ~{dropped[name]:.3g})"
+
+
+def test_autocast_casts_operands_like_lm_head():
+    """Under autocast the matmul runs on operands in the autocast dtype (as lm_head(e) would),
+    the loss is fp32 and fp32 leaves get fp32 gradients: the result equals cce on inputs cast to
+    bf16 by hand (same ops, so up to fp32 summation-order differences: 1e-6 relative)."""
+    e, c, t, b = make_linear_inputs((3, 9), 24, 70, bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cce_fn(e, c, t, b, label_smoothing=0.1)
+    assert loss.dtype == torch.float32
+    g = torch.autograd.grad(loss, (e, c, b))
+    assert all(x.dtype == torch.float32 for x in g)
+    leaves = [x.detach().to(torch.bfloat16).requires_grad_() for x in (e, c, b)]
+    ref = cce_fn(*leaves[:2], t, leaves[2], label_smoothing=0.1)
+    gref = torch.autograd.grad(ref, leaves)
+    assert rel_err(loss, ref) <= 1e-6
+    for got, want in zip(g, gref, strict=True):
+        assert rel_err(got, want.float()) <= 1e-6
