@@ -25,8 +25,13 @@ from . import _math
 
 # Bytes of chunk-sized temporaries (the logits / gradient chunk, and tanh with softcap).
 CHUNK_BYTES = 48 << 20
-# Vocabulary block of the CPU gradient filter.
+# Tile of the CPU gradient filter: row block x vocabulary block (as the GPU kernels' tiles).
+FILTER_BLOCK_N = 64
 FILTER_BLOCK_V = 128
+# Above this fraction of kept tiles the dense exact products are cheaper than gathering.
+DENSE_FRACTION = 0.5
+# Skipped-tile dC corrections queued before one GEMM applies them (bounds their memory).
+CORR_BATCH = 32
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -165,32 +170,38 @@ class _Problem:
             self._wC = c.sum(0) if self.weight is None else self.weight @ c
         return self._wC
 
-    def kept_blocks(self, P: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
-        """[n_blocks] bool: vocab blocks to compute exactly in this chunk (None: all of them).
+    def kept_tiles(self, P: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
+        """[row blocks, vocab blocks] bool: tiles to compute exactly (None: the whole chunk).
 
-        P holds alpha_i p_iv. A block is filtered when every |alpha_i p_iv| in it is below
-        eps * max_i |alpha_i| (for mean/sum without weights or z-loss alpha is the same for all
-        rows, so this is exactly "every probability below eps").
+        P holds alpha_i p_iv. A (FILTER_BLOCK_N x FILTER_BLOCK_V) tile is filtered when every
+        |alpha_i p_iv| in it is below eps * max_i |alpha_i| (for mean/sum without weights or
+        z-loss alpha is the same for all rows, so this is exactly "every probability below eps").
+        When most tiles are kept, the dense exact product is cheaper than gathering: None.
         """
         if self.eps <= 0:
             return None
-        B = FILTER_BLOCK_V
-        nb = math.ceil(self.V / B)
-        colmax = P.amax(0) if bool((alpha >= 0).all()) else P.abs().amax(0)  # CPU only
-        colmax = torch.nn.functional.pad(colmax, (0, nb * B - self.V))
-        keep = colmax.view(nb, B).amax(1) >= self.eps * alpha.abs().max()
-        return None if bool(keep.all()) else keep
+        B, R = FILTER_BLOCK_V, FILTER_BLOCK_N
+        n, nb = P.shape[0], math.ceil(self.V / B)
+        nonneg = bool((alpha >= 0).all())  # CPU only (filtering is)
+        thr = self.eps * alpha.abs().max()
+        keep = torch.empty(math.ceil(n / R), nb, dtype=torch.bool)
+        for r in range(keep.shape[0]):
+            Pr = P[r * R : (r + 1) * R]
+            colmax = Pr.amax(0) if nonneg else Pr.abs().amax(0)
+            colmax = torch.nn.functional.pad(colmax, (0, nb * B - self.V))
+            keep[r] = colmax.view(nb, B).amax(1) >= thr
+        return None if float(keep.float().mean()) > DENSE_FRACTION else keep
 
     def grads(self, ec, tc, P, th, alpha, beta, gamma, need_de, dC, dbias, corr):
         """One chunk's gradient; returns dE of the chunk's rows (or None), accumulates dC, dbias.
 
         P holds alpha_i p_iv and is consumed in place. dZ = (alpha P - beta onehot(t) - gamma w)
-        * softcap'(z). When no vocab block is filtered, every term is folded into one dense dZ
-        (two matmuls). Otherwise the dense part alpha P is filtered per vocab block (skipped
-        blocks contribute a rank-1 correction), and the target and (without softcap) smoothing
-        terms are added exactly, so that filtering never touches them.
+        * softcap'(z). When no tile is filtered, every term is folded into one dense dZ (two
+        matmuls). Otherwise the dense part alpha P is filtered per (row block x vocab block) tile
+        (a skipped tile contributes a rank-1 correction), and the target and (without softcap)
+        smoothing terms are added exactly, so that filtering never touches them.
         """
-        keep = self.kept_blocks(P, alpha)
+        keep = self.kept_tiles(P, alpha)
         dense = keep is None
         w = self.weight
         sc = None
@@ -214,25 +225,32 @@ class _Problem:
             return _mm(P, self.c_op, self.acc) if need_de else None
 
         n = P.shape[0]
-        B = FILTER_BLOCK_V
-        vid = torch.arange(self.V, device=P.device)
-        col_keep = keep[vid // B]
-        kcols = col_keep.nonzero().squeeze(1)
+        B, R = FILTER_BLOCK_V, FILTER_BLOCK_N
+        blk_of_col = torch.arange(self.V, device=P.device) // B
         dE_c = torch.zeros(n, self.D, dtype=self.acc, device=P.device) if need_de else None
-        if kcols.numel():
-            Pk = P.index_select(1, kcols)
+        blk = None
+        if need_de:  # rowsum of P per vocab block [n, n_blocks], for the skipped tiles
+            blk = torch.zeros(n, keep.shape[1], dtype=P.dtype, device=P.device)
+            blk.index_add_(1, blk_of_col, P)
+        for r in range(keep.shape[0]):
+            rows = slice(r * R, min((r + 1) * R, n))
+            Pr, er = P[rows], ec[rows]
+            col_keep = keep[r][blk_of_col]
+            kcols = col_keep.nonzero().squeeze(1)
+            if kcols.numel():
+                Pk = Pr.index_select(1, kcols)
+                if need_de:
+                    dE_c[rows] += _mm(Pk, self.c_op.index_select(0, kcols), self.acc)
+                if dC is not None:
+                    dC.index_add_(0, kcols, _mm(Pk.T, er, self.acc))
+            # Skipped tiles: rowsum (outer) mean(C_tile) to dE, colsum (outer) mean(E_tile) to dC.
+            skip = ~keep[r]
             if need_de:
-                dE_c += _mm(Pk, self.c_op.index_select(0, kcols), self.acc)
+                dE_c[rows] += blk[rows][:, skip] @ self.block_means[skip]
             if dC is not None:
-                dC.index_add_(0, kcols, _mm(Pk.T, ec, self.acc))
-        # Skipped blocks: rowsum(P_blk) (outer) mean(C_blk) to dE, colsum (outer) mean(E rows) to dC.
-        skip = ~keep
-        if need_de:
-            blk = torch.zeros(n, keep.numel(), dtype=P.dtype, device=P.device)
-            blk.index_add_(1, vid // B, P)
-            dE_c += blk[:, skip] @ self.block_means[skip]
-        if dC is not None:
-            corr.append((torch.where(col_keep, 0.0, P.sum(0)), ec.to(self.acc).mean(0)))
+                corr.append((torch.where(col_keep, 0.0, Pr.sum(0)), er.to(self.acc).mean(0)))
+                if len(corr) >= CORR_BATCH:
+                    _flush_corrections(dC, corr)
         # Exact terms outside the filter.
         unfolded_smoothing = self.k.smoothing and not fold_smoothing
         if dbias is not None:
@@ -308,10 +326,16 @@ class _Problem:
                 else:
                     dE.index_copy_(0, erow, dE_c)
         if corr and dC is not None:
-            U = torch.stack([u for u, _ in corr])  # [n_chunks, V]
-            Eb = torch.stack([m for _, m in corr])  # [n_chunks, D]
-            dC.addmm_(U.T, Eb)
+            _flush_corrections(dC, corr)
         return lse, tgt, ssum, dE, dC, dbias
+
+
+def _flush_corrections(dC: torch.Tensor, corr: list) -> None:
+    """dC += sum_k colsum_k (outer) mean(E_k) over the queued skipped-tile corrections (one GEMM)."""
+    U = torch.stack([u for u, _ in corr])  # [k, V]
+    Eb = torch.stack([m for _, m in corr])  # [k, D]
+    dC.addmm_(U.T, Eb)
+    corr.clear()
 
 
 def forward_stats(e2d, c, bias, weight, rows, targets, ignore_index: int, softcap: float, smoothing: bool):
@@ -524,9 +548,11 @@ def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
         if g_loss is None:
             return (None,) * 16
         s = g_loss.float()
+        # loss.backward() passes exactly 1: skip a pass over dC. Reading s is free on CPU only.
+        unit = s.device.type == "cpu" and bool(s == 1)
 
         def scale(t, dtype, need):
-            return t.mul_(s).to(dtype) if need else None
+            return (t if unit else t.mul_(s)).to(dtype) if need else None
 
         return (
             scale(dE, e_dtype, need_de),
