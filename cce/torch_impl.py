@@ -548,11 +548,11 @@ def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
         if g_loss is None:
             return (None,) * 16
         s = g_loss.float()
-        # loss.backward() passes exactly 1: skip a pass over dC. Reading s is free on CPU only.
-        unit = s.device.type == "cpu" and bool(s == 1)
 
+        # (No shortcut for s == 1: this backward is traced under torch.compile, where a Python
+        # branch on a tensor's value is a data-dependent guard.)
         def scale(t, dtype, need):
-            return (t if unit else t.mul_(s)).to(dtype) if need else None
+            return t.mul_(s).to(dtype) if need else None
 
         return (
             scale(dE, e_dtype, need_de),
