@@ -86,7 +86,7 @@ def skip_rate(e, c, t, filter_eps, sort_vocab: bool) -> float:
     from cce.triton_impl import linear_ce_triton_fwd, triton_backward
 
     eps = CCEOptions(filter_eps=filter_eps).resolved_filter_eps(e.dtype)
-    loss, lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)
+    loss, lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)[:2]
     valid = t != -100
     w_t = _math.target_weight(None, t, valid)
     g = _math.row_upstream(torch.ones((), device=e.device), w_t, "mean", t.numel())
@@ -200,7 +200,7 @@ def sweep(results, N=8192, D=2304, V=256000):
     row = dict(what="floor", ms=do_bench(lambda: e @ c.T, warmup=25, rep=100, return_mode="median"))
     results["sweep"].append(row)
     eps = 2.0**-12
-    loss, lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)
+    loss, lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)[:2]
     valid = t != -100
     w_t = _math.target_weight(None, t, valid)
     g = _math.row_upstream(torch.ones((), device=e.device), w_t, "mean", N)

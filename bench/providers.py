@@ -75,6 +75,26 @@ def _cce(**kw):
     return make
 
 
+def _cce_recompute():
+    """cce with the recomputing filtered backward (the one used when the bias needs a gradient)
+    instead of the sparse one, to measure what the forward's tile statistics buy."""
+
+    def make():
+        import cce
+        import cce.triton_impl as TI
+
+        def f(e, c, t):
+            old, TI.SPARSE_BACKWARD = TI.SPARSE_BACKWARD, False
+            try:
+                return cce.linear_cross_entropy(e, c, t)
+            finally:
+                TI.SPARSE_BACKWARD = old
+
+        return f
+
+    return make
+
+
 def _torch_linear(e, c, t):
     return F.cross_entropy((e @ c.T).float(), t)
 
@@ -195,6 +215,8 @@ def all_providers() -> list[Provider]:
     return [
         P("cce", LINEAR, _cce(), "cce.linear_cross_entropy (defaults: filter_eps='auto')"),
         P("cce-exact", LINEAR, _cce(filter_eps=None), "cce, filter_eps=None (no gradient filtering)"),
+        P("cce-recompute", LINEAR, _cce_recompute(), "cce, filtered backward that recomputes every tile",
+          needs_cuda=True, modes=(FWDBWD,)),
         P("cce-torch", LINEAR, _cce(impl="torch"), "cce, impl='torch' (chunked PyTorch)"),
         P("torch", LINEAR, lambda: _torch_linear, "F.cross_entropy((e @ c.T).float(), t), eager"),
         P("torch-compile", LINEAR, _compiled(_torch_linear), "the same under torch.compile"),

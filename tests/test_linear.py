@@ -720,7 +720,7 @@ def test_coarse_filter_within_proven_bound(eps, scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_default_filter_half_precision_peaked(dtype):
-    """bf16 / fp16 defaults (2^-12 / 2^-14) on peaked data stay within rounding + proven bound."""
+    """bf16 / fp16 defaults (2^-8 / 2^-10) on peaked data stay within rounding + proven bound."""
     e, c, t, b = _peaked(20.0, dtype=dtype)
     check_against_oracle(e, c, t, b)
     e.grad = c.grad = b.grad = None

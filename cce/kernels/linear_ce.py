@@ -19,6 +19,7 @@ so N * V and V * D past 2^31 (N = 16384, V = 256000) address correctly.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -97,13 +98,28 @@ def _logit_tile(
 
 @triton.jit
 def _fwd_kernel(
-    E, C, Bias, W, Erow, Tgt, NValid,
-    Mx, Se, Tl, Ss,
-    N, V, D, stride_e, stride_c, stride_part, tiles_per_split, softcap,
+    E, C, Bias, W, Erow, TPos, NValid, Perm, M0,
+    Mx, Se, Tl, Ss, St, Sq,
+    N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tiles_per_split, softcap,
+    log_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per (token block, vocabulary split): running max, sum of exp, target logit, weighted logit sum."""
+    """Per (token block, vocabulary split): running max, sum of exp, target logit, weighted logit sum.
+
+    The split covers tiles [tile_lo + pid_s * tiles_per_split, ... + tiles_per_split) of the
+    vocabulary, read through ``Perm`` (position -> id) if SORTED; TPos holds each row's target
+    position in that order (its id when not SORTED). HAS_INIT starts the running
+    reference at M0 (the head tile's log-sum-exp: a lower bound of every row's lse), else at -inf.
+
+    STATS (training forward; see linear_ce_backward_sparse) also writes, per row and tile j, with
+    ref = M0 (HAS_INIT) or, in the one-tile head launch, the tile's own log-sum-exp (= M0):
+    - St (fp16): log sum_{v in j, v != t} exp(z_v) softcap'(z_v) - ref, the non-target mass;
+    - Sq (int8): ceil(8 u) clamped to [-1, 127], u = max_{v in j, v != t} z_v - ref - log(eps).
+      A tile's largest non-target probability reaches eps only if u >= lse - ref, so the
+      backward decides from Sq (code 127 meaning "keep") without recomputing the tile.
+    """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     n_valid = tl.load(NValid)
@@ -113,36 +129,70 @@ def _fwd_kernel(
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
     erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
-    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    tpos = tl.load(TPos + offs_n, mask=row_mask, other=-1)
+    if HAS_INIT:
+        m = tl.load(M0 + offs_n, mask=row_mask, other=0.0)
+    else:
+        m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    ref = m
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     t_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    v0 = pid_s * tiles_per_split * BLOCK_V
+    t0 = tile_lo + pid_s * tiles_per_split
     for it in range(0, tiles_per_split):
-        offs_v = v0 + it * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_mask = offs_v < V
+        tile = t0 + it
+        offs_p = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_mask = offs_p < V
+        if SORTED:
+            vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+        else:
+            vid = offs_p.to(tl.int64)
         L = _logit_tile(
-            E, C, erow, offs_v.to(tl.int64), row_mask, col_mask, D, stride_e, stride_c,
+            E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
             BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
         )  # fmt: skip  # [BLOCK_N, BLOCK_V]
         if HAS_BIAS:
-            b = tl.load(Bias + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+            b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
             L += b[None, :]  # once per tile, after the whole D loop
         if HAS_SOFTCAP:
-            L = softcap * _tanh(L / softcap)
-        L = tl.where(col_mask[None, :], L, float("-inf"))
-        t_logit += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], L, 0.0), axis=1)
+            th = _tanh(L / softcap)
+            L = softcap * th
+        # Target and non-target entries apart (tpos: the target's position in the walking
+        # order): the non-target max and mass are the tile statistics, and splitting them costs
+        # no pass over the tile beyond the plain online softmax.
+        is_t = (offs_p[None, :] == tpos[:, None]) & col_mask[None, :]
+        has_t = (tpos >= tile * BLOCK_V) & (tpos < tile * BLOCK_V + BLOCK_V) & (tpos < V)
+        zt = tl.sum(tl.where(is_t, L, 0.0), axis=1)  # the target logit where has_t, else 0
+        t_logit += zt
         if HAS_SMOOTH:
             if HAS_WEIGHT:
-                w = tl.load(W + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+                w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
                 ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0) * w[None, :], axis=1)
             else:
                 ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
-        # Every split's first tile has a column < V (the launcher sizes the splits so), hence m
-        # is finite after it and exp(m - m_new) never sees -inf - -inf.
-        m_new = tl.maximum(m, tl.max(L, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(L - m_new[:, None]), axis=1)
+        Lnt = tl.where(col_mask[None, :] & (offs_p[None, :] != tpos[:, None]), L, float("-inf"))
+        mnt = tl.max(Lnt, axis=1)
+        # m is finite after the first tile (every split's first tile has a column < V: the
+        # launcher sizes the splits so) or from the start (HAS_INIT), hence exp(m - m_new)
+        # never sees -inf - -inf.
+        m_new = tl.maximum(m, mnt)
+        m_new = tl.where(has_t, tl.maximum(m_new, zt), m_new)
+        pe = tl.exp(Lnt - m_new[:, None])  # [BLOCK_N, BLOCK_V], 0 at masked / target columns
+        snt = tl.sum(pe, axis=1)
+        s = s * tl.exp(m - m_new) + snt + tl.where(has_t, tl.exp(zt - m_new), 0.0)
+        if STATS:
+            if not HAS_INIT:
+                ref = m_new + tl.log(s)  # the head launch walks this one tile only
+            if HAS_SOFTCAP:
+                snt = tl.sum(pe * (1.0 - th * th), axis=1)
+            st = tl.log(snt) + (m_new - ref)  # -inf where the tile holds no mass
+            u = mnt - ref - log_eps
+            code = tl.minimum(tl.maximum(tl.ceil(u * 8.0), -1.0), 127.0)
+            # (tile + 0 * offs_n): a vector mask (the interpreter rejects scalar ones here).
+            smask = row_mask & ((tile + 0 * offs_n) < n_vtiles)
+            sptr = offs_n.to(tl.int64) * stride_st + tile
+            tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
+            tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
         m = m_new
     out = pid_s * stride_part + offs_n
     tl.store(Mx + out, m, mask=row_mask)
@@ -154,11 +204,20 @@ def _fwd_kernel(
 
 @dataclass
 class FwdStats:
-    """Per sorted row (first n_valid rows meaningful; the others are 0): lse, target logit, ssum."""
+    """Per sorted row (first n_valid rows meaningful; the others are 0): lse, target logit, ssum.
+
+    With ``perm`` given to linear_ce_forward, also the tile statistics of the sparse backward
+    (see _fwd_kernel): ``st`` [N, n_tiles] fp16, ``sq`` [N, n_tiles] int8 and ``m0`` [N] fp32
+    (the head tile's log-sum-exp, their reference), on the forward's (BLOCK_N, BLOCK_V) tiles of
+    the vocabulary in ``perm`` order.
+    """
 
     lse: torch.Tensor
     tgt: torch.Tensor
     ssum: torch.Tensor | None
+    st: torch.Tensor | None = None
+    sq: torch.Tensor | None = None
+    m0: torch.Tensor | None = None
 
 
 def _check(e2d: torch.Tensor, c: torch.Tensor, *others: torch.Tensor | None) -> None:
@@ -180,6 +239,12 @@ def _n_sm(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_V) of the forward's tiles for ``dtype``: the tiles of the tile statistics."""
+    cfg = _config(dtype, "fwd")
+    return cfg.BLOCK_N, cfg.BLOCK_V
+
+
 def linear_ce_forward(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -191,39 +256,76 @@ def linear_ce_forward(
     softcap: float,
     smoothing: bool,
     config: KernelConfig | None = None,
+    perm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
     ``tgt`` are the sorted rows' targets (any value for ignored rows). Partials of the vocabulary
     splits are merged here in O(N * splits) torch ops, no locks.
+
+    ``perm`` (vocabulary ids in walking order, most probable classes first) and ``eps`` (the
+    filter threshold) turn on the tile statistics: one launch over the first (head) tile gives
+    every row's log-sum-exp there, M0, the reference of the statistics; the second launch walks
+    the other tiles with the online softmax started at M0.
     """
-    _check(e2d, c, bias, weight, erow, tgt, n_valid)
+    _check(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
     cfg = config or _config(e2d.dtype, "fwd")
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
     n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
-    # Enough (token block, split) programs for ~8 per SM, so that the last wave is short.
-    splits = max(1, min(n_vtiles, triton.cdiv(8 * _n_sm(dev), max(n_blocks, 1))))
-    tiles_per_split = triton.cdiv(n_vtiles, splits)
-    splits = triton.cdiv(n_vtiles, tiles_per_split)  # every split starts below V
+    stats = perm is not None
+    head = 1 if stats else 0
+    rest = n_vtiles - head
+    splits = 0
+    tiles_per_split = 1
+    if rest > 0:
+        # Enough (token block, split) programs for ~8 per SM, so that the last wave is short.
+        splits = max(1, min(rest, triton.cdiv(8 * _n_sm(dev), max(n_blocks, 1))))
+        tiles_per_split = triton.cdiv(rest, splits)
+        splits = triton.cdiv(rest, tiles_per_split)  # every split starts below V
+    parts = head + splits
     f32 = torch.float32
-    Mx = torch.full((splits, N), float("-inf"), dtype=f32, device=dev)
-    Se = torch.zeros((splits, N), dtype=f32, device=dev)
-    Tl = torch.zeros((splits, N), dtype=f32, device=dev)
-    Ss = torch.zeros((splits, N), dtype=f32, device=dev) if smoothing else Se
+    tpos = tgt
+    if stats:
+        inv = torch.empty(V, dtype=torch.long, device=dev).index_copy_(0, perm, torch.arange(V, device=dev))
+        tpos = inv.index_select(0, tgt)
+    Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
+    Se = torch.zeros((parts, N), dtype=f32, device=dev)
+    Tl = torch.zeros((parts, N), dtype=f32, device=dev)
+    Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else Se
+    St = Sq = None
+    if stats:
+        if not eps > 0:
+            raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
+        St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev)
+        Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev)
     if N > 0:
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            _fwd_kernel[(n_blocks, splits)](
+
+        def launch(grid, part0, tile_lo, tps, m0):
+            _fwd_kernel[grid](
                 e2d, c, bias if bias is not None else e2d, weight if weight is not None else e2d,
-                erow, tgt, n_valid, Mx, Se, Tl, Ss,
-                N, V, D, e2d.stride(0), c.stride(0), N, tiles_per_split, float(softcap),
+                erow, tpos, n_valid, perm if stats else erow, m0 if m0 is not None else Mx,
+                Mx[part0:], Se[part0:], Tl[part0:], Ss[part0:],
+                St if stats else Mx, Sq if stats else Mx,
+                N, V, D, e2d.stride(0), c.stride(0), N, n_vtiles, n_vtiles, tile_lo, tps, float(softcap),
+                math.log(eps) if stats else 0.0,
                 HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smoothing,
-                HAS_WEIGHT=weight is not None,
+                HAS_WEIGHT=weight is not None, SORTED=stats, STATS=stats, HAS_INIT=m0 is not None,
                 BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
                 PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
+
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            m0 = None
+            if stats:
+                launch((n_blocks, 1), 0, 0, 1, None)
+                # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read).
+                m0 = Mx[0] + torch.log(Se[0])
+            if splits:
+                launch((n_blocks, splits), head, head, tiles_per_split, m0)
     # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
     # m = -inf, S = 0 everywhere and are zeroed through `done`.
     M = Mx.max(0).values
@@ -233,7 +335,10 @@ def linear_ce_forward(
     lse = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
     tl_ = torch.where(done, Tl.sum(0), 0.0)
     ss = torch.where(done, Ss.sum(0), 0.0) if smoothing else None
-    return FwdStats(lse, tl_, ss)
+    if stats:
+        m0 = Mx[0] + torch.log(Se[0])
+        m0 = torch.where(torch.isfinite(m0), m0, 0.0)
+    return FwdStats(lse, tl_, ss, St, Sq, m0 if stats else None)
 
 
 @triton.jit
@@ -641,3 +746,432 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None) -> tor
     else:
         out = torch.mm(a.float(), b.float())
     return out if scale is None else out * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse backward: the forward's tile statistics decide which tiles are recomputed at all.
+
+
+@triton.jit
+def _dz_tile(
+    E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(dZ tile in the operand dtype, its scale): alpha p softcap' at the non-target entries.
+
+    The target entries are 0 here; their exact term is added in fp32 by the caller. SCALE_DZ
+    (fp16): the tile is scaled to max |dZ| = 1 before rounding (alpha p can sit below fp16's
+    normal range), the products are to be multiplied by the returned scale.
+    """
+    L = _logit_tile(
+        E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
+    )  # [BLOCK_N, BLOCK_V]
+    if HAS_BIAS:
+        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
+        L += b[None, :]
+    if HAS_SOFTCAP:
+        th = _tanh(L / softcap)
+        L = softcap * th
+    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
+    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    if SCALE_DZ:
+        scale = tl.max(tl.max(tl.abs(dz), axis=1), axis=0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        dzc = (dz / scale).to(E.dtype.element_ty)
+    else:
+        scale = 1.0
+        dzc = dz.to(E.dtype.element_ty)
+    return dzc, scale
+
+
+@triton.jit
+def _kept_dz(
+    Scratch, ScaleBuf, gk, cap,
+    E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The dZ tile of the gk-th kept tile: from the scratch written by _kept_dz_kernel when it has a
+    slot there (gk < cap), else recomputed."""
+    if gk < cap:
+        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        dzc = tl.load(Scratch + gk.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs)
+        if SCALE_DZ:
+            scale = tl.load(ScaleBuf + gk)
+        else:
+            scale = 1.0
+    else:
+        dzc, scale = _dz_tile(
+            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip
+    return dzc, scale
+
+
+@triton.jit
+def _kept_dz_kernel(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, KList, NKept, Scratch, ScaleBuf,
+    V, D, stride_e, stride_c, n_vtiles, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program k: the dZ tile of the k-th kept tile, once, into its scratch slot (the writers
+    below read it once per D chunk instead of recomputing it)."""
+    k = tl.program_id(0)
+    if k >= tl.load(NKept):
+        return
+    flat = tl.load(KList + k)
+    blk = flat // n_vtiles
+    j = flat % n_vtiles
+    n_valid = tl.load(NValid)
+    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    dzc, scale = _dz_tile(
+        E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    )  # fmt: skip
+    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    tl.store(Scratch + k.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs, dzc)
+    if SCALE_DZ:
+        one = tl.arange(0, 1)
+        tl.store(ScaleBuf + k + one, scale + tl.zeros((1,), tl.float32))
+
+
+@triton.jit
+def _tile_means_kernel(
+    C, Perm, Cm, V, D, stride_c, stride_cm, BLOCK_V: tl.constexpr, BLOCK_DO: tl.constexpr
+):  # fmt: skip
+    """Cm[j, d chunk] = mean of c's rows at positions [j BLOCK_V, (j + 1) BLOCK_V) of the order."""
+    j = tl.program_id(0)
+    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    x = tl.load(
+        C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
+    )
+    cnt = tl.sum(col_mask.to(tl.float32), axis=0)
+    mean = tl.sum(x.to(tl.float32), axis=0) / cnt
+    tl.store(Cm + j.to(tl.int64) * stride_cm + offs_do, mean.to(Cm.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _sparse_de_kernel(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, M0, St, Keep, ListE, CntE, Cm, WC,
+    Gidx, Scratch, ScaleBuf, dE,
+    V, D, stride_e, stride_c, stride_de, stride_st, stride_cm, n_vtiles, softcap, cap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
+    BLOCK_J: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dE[rows of one token block, one D chunk], written once in dE's dtype:
+
+    sum over the block's kept tiles of dZ_tile @ C_tile (recomputed)
+    + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from the forward's St)
+    + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v].
+    """
+    pid_n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return  # ignored rows: dE stays zero
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    acc = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+    cnt = tl.load(CntE + pid_n)
+    for k in range(0, cnt):
+        j = tl.load(ListE + pid_n * (n_vtiles + 1) + k)
+        offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_mask = offs_p < V
+        vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+        gk = tl.load(Gidx + pid_n * n_vtiles + j)
+        dzc, scale = _kept_dz(
+            Scratch, ScaleBuf, gk, cap,
+            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip
+        c = tl.load(
+            C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
+        )  # [BLOCK_V, BLOCK_DO]
+        acc += tl.dot(dzc, c, input_precision=PRECISION) * scale
+    # Skipped tiles: S_ij = exp(St_ij + M0_i - lse_i), the tile's non-target probability mass
+    # (times softcap'), against the tile mean of C. Masses <= 1, so the operand dtype holds them.
+    m0 = tl.load(M0 + offs_n, mask=row_mask, other=0.0)
+    corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+    for j0 in range(0, n_vtiles, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        jm = offs_j < n_vtiles
+        st = tl.load(
+            St + offs_n.to(tl.int64)[:, None] * stride_st + offs_j[None, :],
+            mask=row_mask[:, None] & jm[None, :], other=float("-inf"),
+        ).to(tl.float32)  # fmt: skip  # [BLOCK_N, BLOCK_J]
+        kp = tl.load(Keep + pid_n * n_vtiles + offs_j, mask=jm, other=1)
+        S = tl.where((kp == 0)[None, :], tl.exp(st + (m0 - lse)[:, None]), 0.0)
+        cm = tl.load(
+            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
+            mask=jm[:, None] & dmask[None, :], other=0.0,
+        )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
+        corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
+    acc += alpha[:, None] * corr
+    coef = tl.load(Coef + offs_n, mask=row_mask, other=0.0)
+    ct = tl.load(
+        C + tgt[:, None] * stride_c + offs_do[None, :], mask=row_mask[:, None] & dmask[None, :], other=0.0
+    ).to(tl.float32)
+    acc += coef[:, None] * ct
+    if HAS_SMOOTH:
+        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
+        wc = tl.load(WC + offs_do, mask=dmask, other=0.0)
+        acc -= gamma[:, None] * wc[None, :]
+    tl.store(
+        dE + erow[:, None] * stride_de + offs_do[None, :], acc.to(dE.dtype.element_ty),
+        mask=row_mask[:, None] & dmask[None, :],
+    )  # fmt: skip
+
+
+@triton.jit
+def _sparse_dc_kernel(
+    E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
+    Gidx, Scratch, ScaleBuf, dC,
+    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, cap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
+    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dC[ids of one vocabulary tile, one D chunk], written once in dC's dtype:
+
+    sum over the tile's kept token blocks of dZ_tile^T @ E_block (recomputed)
+    + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile)
+    + sum over the rows i with t_i in the tile of coef_i e_i (exact in fp32) [- w_v sum_i gamma_i e_i].
+    """
+    pid_v = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    offs_p = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    acc = tl.zeros((BLOCK_V, BLOCK_DO), dtype=tl.float32)
+    cnt = tl.load(CntC + pid_v)
+    for k in range(0, cnt):
+        blk = tl.load(ListC + pid_v * (n_blocks + 1) + k)
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = offs_n < n_valid
+        erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+        tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+        lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+        alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+        gk = tl.load(Gidx + blk * n_vtiles + pid_v)
+        dzc, scale = _kept_dz(
+            Scratch, ScaleBuf, gk, cap,
+            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip
+        e = tl.load(
+            E + erow[:, None] * stride_e + offs_do[None, :],
+            mask=row_mask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_DO]
+        acc += tl.dot(tl.trans(dzc), e, input_precision=PRECISION) * scale
+    q = tl.load(Q + offs_p, mask=col_mask, other=0.0)
+    g = tl.load(G + pid_v.to(tl.int64) * stride_g + offs_do, mask=dmask, other=0.0)
+    acc += q[:, None] * g[None, :]
+    # Target entries: the rows whose target lies in this tile, one fp32 one-hot product per
+    # BLOCK_R of them (fp32 operands: the coefficient alpha p_t - beta is a cancellation).
+    seg0 = tl.load(Seg + pid_v)
+    seg1 = tl.load(Seg + pid_v + 1)
+    lanes = tl.arange(0, BLOCK_V)
+    for r0 in range(seg0, seg1, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        rm = offs_r < seg1
+        row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
+        lp = tl.load(TPos + offs_r, mask=rm, other=-1) - pid_v * BLOCK_V
+        cf = tl.load(TCoef + offs_r, mask=rm, other=0.0)
+        x = tl.load(
+            E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
+        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [BLOCK_V, BLOCK_R]
+        acc = tl.dot(onehot, x, acc, input_precision="ieee")
+    if HAS_SMOOTH:
+        if HAS_WEIGHT:
+            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(col_mask, 1.0, 0.0)
+        ge = tl.load(GE + offs_do, mask=dmask, other=0.0)
+        acc -= w[:, None] * ge[None, :]
+    tl.store(
+        dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
+        mask=col_mask[:, None] & dmask[None, :],
+    )  # fmt: skip
+
+
+@dataclass
+class SparsePlan:
+    """Everything the sparse backward kernels read besides the problem tensors (triton_impl.py
+    builds it with torch ops on the device; rows are in the valid-first order, tiles are the
+    forward's tiles of the vocabulary in ``perm`` order).
+
+    keep [n_blocks, n_tiles] int8; list_e [n_blocks, n_tiles + 1] / cnt_e: kept tiles per block;
+    list_c [n_tiles, n_blocks + 1] / cnt_c: kept blocks per tile; st, m0: forward tile statistics;
+    coef: per row, the exact target entry alpha p_t - beta (times softcap'); cm [n_tiles, D]
+    tile means of C (operand dtype); g [n_tiles, D] fp32 skipped mass times e per tile, q [V]
+    its spread within the tile (per position); trow / tpos / tcoef: valid rows ordered by the
+    tile of their target (e2d row, target position, coef) with seg [n_tiles + 1] the tile
+    boundaries; wc, ge: the smoothing terms sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
+    """
+
+    keep: torch.Tensor
+    list_e: torch.Tensor
+    cnt_e: torch.Tensor
+    list_c: torch.Tensor
+    cnt_c: torch.Tensor
+    st: torch.Tensor
+    m0: torch.Tensor
+    coef: torch.Tensor
+    cm: torch.Tensor | None
+    g: torch.Tensor | None
+    q: torch.Tensor | None
+    trow: torch.Tensor | None
+    tpos: torch.Tensor | None
+    tcoef: torch.Tensor | None
+    seg: torch.Tensor | None
+    wc: torch.Tensor | None
+    ge: torch.Tensor | None
+    gidx: torch.Tensor  # [n_blocks, n_tiles] int32: index of each kept tile among the kept ones
+    klist: torch.Tensor  # [cap + 1] int32: flat index (block * n_tiles + tile) of kept tile k < cap
+    n_kept: torch.Tensor  # [1] int32
+
+
+def _sparse_config() -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_D of the recompute, BLOCK_DO of dE and of dC, BLOCK_J, BLOCK_R, num_warps).
+
+    A kept tile is recomputed once per D chunk of the output, so the chunks are as wide as the
+    accumulator allows: [BLOCK_N, 128] for dE, [BLOCK_V = 256, 64] for dC (fp32 registers)."""
+    if _interpreting():
+        return 32, 32, 32, 16, 16, 4
+    return 64, 128, 64, 64, 32, 8
+
+
+def kept_scratch_tiles(N: int, dtype: torch.dtype) -> int:
+    """Scratch slots for kept dZ tiles: two per token block (LM-like data keeps about one, the
+    head of the sorted vocabulary); kept tiles past them are recomputed by the writers."""
+    BN = _config(dtype, "fwd").BLOCK_N
+    return 2 * triton.cdiv(N, BN)
+
+
+def tile_means(c: torch.Tensor, perm: torch.Tensor, BLOCK_V: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n_tiles, D] mean of c's rows over each BLOCK_V positions of ``perm``, in ``dtype``."""
+    _check(c, c, perm)
+    V, D = c.shape
+    nt = triton.cdiv(V, BLOCK_V)
+    cm = torch.empty((nt, D), dtype=dtype, device=c.device)
+    BDO = 32 if _interpreting() else 128
+    if V > 0:
+        with torch.cuda.device(c.device) if c.device.type == "cuda" else contextlib.nullcontext():
+            _tile_means_kernel[(nt, triton.cdiv(D, BDO))](
+                c, perm, cm, V, D, c.stride(0), cm.stride(0), BLOCK_V=BLOCK_V, BLOCK_DO=BDO
+            )  # fmt: skip
+    return cm
+
+
+def linear_ce_backward_sparse(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    erow: torch.Tensor,
+    tgt: torch.Tensor,
+    perm: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    gamma: torch.Tensor | None,
+    plan: SparsePlan,
+    softcap: float,
+    need_de: bool,
+    need_dc: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dE in e2d's dtype and shape, dC in c's dtype), each written once by its kernel.
+
+    No fp32 gradient accumulators and no atomics: one program owns a (token block, D chunk) of dE
+    or a (vocabulary tile, D chunk) of dC. Only the kept tiles are recomputed (once per D chunk);
+    the skipped ones enter through the forward's statistics. gamma (smoothing without softcap) is
+    given with plan.wc / plan.ge.
+    """
+    _check(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma)
+    N = erow.numel()
+    V, D = c.shape
+    dev = e2d.device
+    cfg = _config(e2d.dtype, "fwd")
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    n_blocks, n_vtiles = triton.cdiv(N, BN), triton.cdiv(V, BV)
+    BD, BDO_E, BDO_C, BJ, BR, warps = _sparse_config()
+    dummy = alpha
+    smooth = gamma is not None
+    scale_dz = e2d.dtype == torch.float16
+    prec = _precision(e2d.dtype)
+    dE = dC = None
+    ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    cap = kept_scratch_tiles(N, dtype=e2d.dtype)
+    scratch = torch.empty((cap, BN, BV), dtype=e2d.dtype, device=dev)
+    scalebuf = torch.empty(cap if scale_dz else 1, dtype=torch.float32, device=dev)
+    if N > 0 and cap > 0:
+        with ctx:
+            _kept_dz_kernel[(cap,)](
+                e2d, c, bias if bias is not None else dummy, erow, tgt, perm, n_valid, lse, alpha,
+                plan.klist, plan.n_kept, scratch, scalebuf,
+                V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, SCALE_DZ=scale_dz,
+                BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+    if need_de:
+        dE = torch.zeros(e2d.shape, dtype=e2d.dtype, device=dev)
+        if N > 0:
+            with ctx:
+                _sparse_de_kernel[(n_blocks, triton.cdiv(D, BDO_E))](
+                    e2d, c, bias if bias is not None else dummy, erow, tgt, perm, n_valid, lse, alpha,
+                    gamma if smooth else dummy, plan.coef, plan.m0, plan.st, plan.keep, plan.list_e,
+                    plan.cnt_e, plan.cm, plan.wc if smooth else dummy, plan.gidx, scratch, scalebuf, dE,
+                    V, D, e2d.stride(0), c.stride(0), dE.stride(0), plan.st.stride(0), plan.cm.stride(0),
+                    n_vtiles, float(softcap), cap,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
+                    SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ,
+                    PRECISION=prec, num_warps=warps, num_stages=2,
+                )  # fmt: skip
+    if need_dc:
+        dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
+        if V > 0:
+            with ctx:
+                _sparse_dc_kernel[(n_vtiles, triton.cdiv(D, BDO_C))](
+                    e2d, c, bias if bias is not None else dummy, weight if weight is not None else dummy,
+                    erow, tgt, perm, n_valid, lse, alpha, plan.list_c, plan.cnt_c, plan.seg, plan.trow,
+                    plan.tpos, plan.tcoef, plan.q, plan.g, plan.ge if smooth else dummy,
+                    plan.gidx, scratch, scalebuf, dC,
+                    V, D, e2d.stride(0), c.stride(0), dC.stride(0), plan.g.stride(0), n_blocks, n_vtiles,
+                    float(softcap), cap,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
+                    HAS_WEIGHT=weight is not None, SCALE_DZ=scale_dz,
+                    BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR,
+                    PRECISION=prec, num_warps=warps, num_stages=2,
+                )  # fmt: skip
+    return dE, dC
