@@ -411,7 +411,6 @@ def sparse_backward(
     alpha_s, beta_s, lse_s, t_s = srt(alpha.float()), srt(beta.float()), srt(lse), srt(r.safe_t)
     N = r.N
     BN, BV = K.stats_blocks(e2d.dtype)
-    nt = sq.shape[1]
     pos = torch.arange(N, device=dev)
     valid_s = pos < r.n_valid
     # The target entries, exact: (alpha p_t - beta) softcap'(z_t); 0 at ignored rows.
@@ -425,46 +424,16 @@ def sparse_backward(
     w = None
     if smooth:
         w = weight.float() if weight is not None else torch.ones(V, dtype=f32, device=dev)
-    list_e = cnt_e = cm = wc = None
-    list_c = cnt_c = G = q = trow = tpos = tcoef = seg = ge = None
+    list_e = cnt_e = wc = None
+    dc_in = (None,) * 9
     if need_de:
         list_e, cnt_e = _lists(keep)
-        cm = K.tile_means(c, vperm, BV, e2d.dtype)
         if smooth:
             wc = torch.zeros(D, dtype=f32, device=dev)
             for s, t in _row_chunks(V):
                 wc += w[s:t] @ c[s:t].float()
     if need_dc:
-        list_c, cnt_c = _lists(keep.T.contiguous())
-        # G_j = sum_i alpha_i S_ij e_i over the rows whose tile j is skipped.
-        G = torch.zeros(nt, D, dtype=f32, device=dev)
-        use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
-        for s in range(0, N, _SPARSE_ROWS):
-            t = min(s + _SPARSE_ROWS, N)
-            skipped = ~keep.index_select(0, pos[s:t] // BN) & valid_s[s:t, None]
-            S = torch.exp(st[s:t].float() + (m0[s:t] - lse_s[s:t])[:, None]) * alpha_s[s:t, None]
-            S = torch.where(skipped, S, 0.0)
-            E_c = e2d.index_select(0, r.erow_s[s:t])
-            if use_bf16:
-                G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
-            else:
-                G += S.T @ E_c.float()
-        # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
-        sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
-        sc[:V] = vscore
-        q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V].contiguous()
-        inv = torch.empty(V, dtype=torch.long, device=dev).index_copy_(0, vperm, torch.arange(V, device=dev))
-        tp = inv.index_select(0, t_s)
-        tile_t = torch.where(valid_s, tp // BV, nt)
-        tile_o, order = torch.sort(tile_t, stable=True)
-        trow = r.erow_s.index_select(0, order).contiguous()
-        tpos = tp.index_select(0, order).to(torch.int32)
-        tcoef = coef.index_select(0, order).contiguous()
-        seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
-        if smooth:
-            ge = torch.zeros(D, dtype=f32, device=dev)
-            for s, t in _row_chunks(N):
-                ge += gamma[s:t].float() @ e2d.index_select(0, r.erow[s:t]).float()
+        dc_in = _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, gamma, BN, BV)
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot.
     cap = K.kept_scratch_tiles(N, e2d.dtype)
     kflat = keep.reshape(-1)
@@ -474,17 +443,64 @@ def sparse_backward(
         0, slot, torch.arange(kflat.numel(), dtype=torch.int32, device=dev)
     )
     n_kept = kflat.sum(dtype=torch.int32).reshape(1)
+    list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
+    del dc_in
     plan = K.SparsePlan(
-        keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, st, m0, coef, cm, G, q, trow, tpos, tcoef,
-        seg, wc, ge, gidx.view(keep.shape), klist, n_kept,
+        keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, st, m0, coef, G, q, trow, tpos, tcoef, seg, wc,
+        ge, gidx.view(keep.shape), klist, n_kept,
     )  # fmt: skip
+    del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
     dE, dC = K.linear_ce_backward_sparse(
         e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
-        need_de, need_dc,
+        need_de, need_dc, release=not return_plan,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan
     return dE, dC
+
+
+def _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, gamma, BN: int, BV: int):
+    """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see K.SparsePlan.
+
+    Built in this function so that nothing but the plan holds them (the launcher releases them
+    once dC is written, before dE and the tile means are allocated)."""
+    N, nt = st.shape
+    V, D = vperm.numel(), e2d.shape[1]
+    dev, f32 = e2d.device, torch.float32
+    pos = torch.arange(N, device=dev)
+    valid_s = pos < r.n_valid
+    list_c, cnt_c = _lists(keep.T.contiguous())
+    # G_j = sum_i alpha_i S_ij e_i over the rows whose tile j is skipped.
+    G = torch.zeros(nt, D, dtype=f32, device=dev)
+    use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
+    for s in range(0, N, _SPARSE_ROWS):
+        t = min(s + _SPARSE_ROWS, N)
+        skipped = ~keep.index_select(0, pos[s:t] // BN) & valid_s[s:t, None]
+        S = torch.exp(st[s:t].float() + (m0[s:t] - lse_s[s:t])[:, None]) * alpha_s[s:t, None]
+        S = torch.where(skipped, S, 0.0)
+        E_c = e2d.index_select(0, r.erow_s[s:t])
+        if use_bf16:
+            G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
+        else:
+            G += S.T @ E_c.float()
+    # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
+    sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
+    sc[:V] = vscore
+    q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V].contiguous()
+    inv = torch.empty(V, dtype=torch.long, device=dev).index_copy_(0, vperm, torch.arange(V, device=dev))
+    tp = inv.index_select(0, t_s)
+    tile_t = torch.where(valid_s, tp // BV, nt)
+    tile_o, order = torch.sort(tile_t, stable=True)
+    trow = r.erow_s.index_select(0, order).contiguous()
+    tpos = tp.index_select(0, order).to(torch.int32)
+    tcoef = coef.index_select(0, order).contiguous()
+    seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
+    ge = None
+    if gamma is not None:
+        ge = torch.zeros(D, dtype=f32, device=dev)
+        for s, t in _row_chunks(N):
+            ge += gamma[s:t].float() @ e2d.index_select(0, r.erow[s:t]).float()
+    return list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge
 
 
 def _keep_tiles(sq, m0, lse_s, valid_s, BN: int) -> torch.Tensor:

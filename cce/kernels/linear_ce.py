@@ -239,6 +239,12 @@ def _n_sm(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Forward programs (token block x vocabulary split) per SM: each runs one tile at a time, so the
+# last wave idles (1 - fraction of a wave) of the SMs; more, shorter programs shrink that tail at
+# the cost of more partial statistics to merge (O(N) each).
+FWD_PROGRAMS_PER_SM = 8
+
+
 def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_V) of the forward's tiles for ``dtype``: the tiles of the tile statistics."""
     cfg = _config(dtype, "fwd")
@@ -258,6 +264,7 @@ def linear_ce_forward(
     config: KernelConfig | None = None,
     perm: torch.Tensor | None = None,
     eps: float = 0.0,
+    programs_per_sm: int | None = None,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
@@ -282,8 +289,10 @@ def linear_ce_forward(
     splits = 0
     tiles_per_split = 1
     if rest > 0:
-        # Enough (token block, split) programs for ~8 per SM, so that the last wave is short.
-        splits = max(1, min(rest, triton.cdiv(8 * _n_sm(dev), max(n_blocks, 1))))
+        # Enough (token block, split) programs for FWD_PROGRAMS_PER_SM per SM, so that the last
+        # wave is short.
+        pps = FWD_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+        splits = max(1, min(rest, triton.cdiv(pps * _n_sm(dev), max(n_blocks, 1))))
         tiles_per_split = triton.cdiv(rest, splits)
         splits = triton.cdiv(rest, tiles_per_split)  # every split starts below V
     parts = head + splits
@@ -1032,8 +1041,8 @@ class SparsePlan:
 
     keep [n_blocks, n_tiles] int8; list_e [n_blocks, n_tiles + 1] / cnt_e: kept tiles per block;
     list_c [n_tiles, n_blocks + 1] / cnt_c: kept blocks per tile; st, m0: forward tile statistics;
-    coef: per row, the exact target entry alpha p_t - beta (times softcap'); cm [n_tiles, D]
-    tile means of C (operand dtype); g [n_tiles, D] fp32 skipped mass times e per tile, q [V]
+    coef: per row, the exact target entry alpha p_t - beta (times softcap'); g [n_tiles, D] fp32
+    skipped mass times e per tile, q [V]
     its spread within the tile (per position); trow / tpos / tcoef: valid rows ordered by the
     tile of their target (e2d row, target position, coef) with seg [n_tiles + 1] the tile
     boundaries; wc, ge: the smoothing terms sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
@@ -1047,7 +1056,6 @@ class SparsePlan:
     st: torch.Tensor
     m0: torch.Tensor
     coef: torch.Tensor
-    cm: torch.Tensor | None
     g: torch.Tensor | None
     q: torch.Tensor | None
     trow: torch.Tensor | None
@@ -1109,13 +1117,16 @@ def linear_ce_backward_sparse(
     softcap: float,
     need_de: bool,
     need_dc: bool,
+    release: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dE in e2d's dtype and shape, dC in c's dtype), each written once by its kernel.
 
     No fp32 gradient accumulators and no atomics: one program owns a (token block, D chunk) of dE
-    or a (vocabulary tile, D chunk) of dC. Only the kept tiles are recomputed (once per D chunk);
-    the skipped ones enter through the forward's statistics. gamma (smoothing without softcap) is
-    given with plan.wc / plan.ge.
+    or a (vocabulary tile, D chunk) of dC. Kept tiles' dZ are computed once into a scratch (past
+    its slots, once per D chunk); the skipped tiles enter through the forward's statistics.
+    gamma (smoothing without softcap) is given with plan.wc / plan.ge. dC is written first; with
+    ``release`` the plan's dC-only tensors are dropped then, before dE and the tile means of C
+    are allocated (lower peak memory).
     """
     _check(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma)
     N = erow.numel()
@@ -1144,20 +1155,6 @@ def linear_ce_backward_sparse(
                 BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip
-    if need_de:
-        dE = torch.zeros(e2d.shape, dtype=e2d.dtype, device=dev)
-        if N > 0:
-            with ctx:
-                _sparse_de_kernel[(n_blocks, triton.cdiv(D, BDO_E))](
-                    e2d, c, bias if bias is not None else dummy, erow, tgt, perm, n_valid, lse, alpha,
-                    gamma if smooth else dummy, plan.coef, plan.m0, plan.st, plan.keep, plan.list_e,
-                    plan.cnt_e, plan.cm, plan.wc if smooth else dummy, plan.gidx, scratch, scalebuf, dE,
-                    V, D, e2d.stride(0), c.stride(0), dE.stride(0), plan.st.stride(0), plan.cm.stride(0),
-                    n_vtiles, float(softcap), cap,
-                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
-                    SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ,
-                    PRECISION=prec, num_warps=warps, num_stages=2,
-                )  # fmt: skip
     if need_dc:
         dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
         if V > 0:
@@ -1172,6 +1169,23 @@ def linear_ce_backward_sparse(
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
                     HAS_WEIGHT=weight is not None, SCALE_DZ=scale_dz,
                     BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR,
+                    PRECISION=prec, num_warps=warps, num_stages=2,
+                )  # fmt: skip
+    if release:
+        plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
+    if need_de:
+        dE = torch.zeros(e2d.shape, dtype=e2d.dtype, device=dev)
+        if N > 0:
+            cm = tile_means(c, perm, BV, e2d.dtype)
+            with ctx:
+                _sparse_de_kernel[(n_blocks, triton.cdiv(D, BDO_E))](
+                    e2d, c, bias if bias is not None else dummy, erow, tgt, perm, n_valid, lse, alpha,
+                    gamma if smooth else dummy, plan.coef, plan.m0, plan.st, plan.keep, plan.list_e,
+                    plan.cnt_e, cm, plan.wc if smooth else dummy, plan.gidx, scratch, scalebuf, dE,
+                    V, D, e2d.stride(0), c.stride(0), dE.stride(0), plan.st.stride(0), cm.stride(0),
+                    n_vtiles, float(softcap), cap,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
+                    SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ,
                     PRECISION=prec, num_warps=warps, num_stages=2,
                 )  # fmt: skip
     return dE, dC
