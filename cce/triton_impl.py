@@ -2,12 +2,16 @@
 
 Forward: the kernel reduces each valid token's logits to (lse, target logit[, weighted logit
 sum]); the loss is assembled from those by cce/_math.py. Saved for backward: e, c, bias, weight,
-rows, targets (the inputs) and lse (O(N)).
+rows, targets (the inputs) and lse (O(N)); for a filtered training step also the tile statistics
+of the sparse backward (O(N V / 256) bytes, see use_sparse_backward).
 
-Backward: _math.coefficients turns the upstream gradient into (alpha, beta, gamma) per row; the
-kernel forms dZ = (alpha p - beta [v == t]) * softcap' per tile and adds its products; without
-softcap the rank-1 smoothing term -gamma w is added exactly here, as are the rank-1 corrections
-of the tiles the filter skipped (docs/design.md has the error bound).
+Backward: _math.coefficients turns the upstream gradient into (alpha, beta, gamma) per row.
+Sparse path (sparse_backward): the forward's statistics decide which tiles are recomputed; dE and
+dC are written once each, with rank-1 corrections for the skipped tiles and the target entries
+exact. Recomputing path (triton_backward): the kernel forms dZ = (alpha p - beta [v == t]) *
+softcap' per tile and adds its products; without softcap the rank-1 smoothing term -gamma w is
+added exactly here, as are the rank-1 corrections of the tiles the filter skipped
+(docs/design.md has the error bounds of both).
 
 Nothing here synchronises with the host: the valid-first row order and its count stay on the
 device, so a training step can be captured in a CUDA graph. Both entry points are
