@@ -9,7 +9,9 @@ On CPU, ignored tokens are dropped before any matmul, and the gradient matmuls o
 block) tiles whose probabilities are all below ``filter_eps`` are skipped, their contribution
 replaced by a rank-1 correction (rowsum x block mean; see docs/design.md for the error bound).
 Both use data-dependent shapes, which on an accelerator would need a host synchronisation, so
-there every row is processed (ignored rows with zero coefficients) and filtering is off.
+there every row is processed (ignored rows with zero coefficients) and filtering is off. Also on
+CPU: fp32 GEMMs run through oneDNN where torch has it (see _use_onednn), and the softmax is
+aten's row-wise kernel in place, its per-row scale alpha applied to the [n, D] operands.
 
 Both entry points are ``torch.library.custom_op``s so that ``torch.compile`` treats them as
 opaque nodes (no graph break, nothing data-dependent traced).
@@ -49,6 +51,39 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | 
     return r if out is None else out.copy_(r)
 
 
+def _onednn_linear():
+    """torch.ops.mkldnn._linear_pointwise (x @ w.T through oneDNN), or None where unavailable."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_LINEAR = _onednn_linear()
+# Vocabulary slice of the oneDNN logits and dC GEMMs. The op has no out= form: each slice's result
+# (1.6 MB of logits at n = 400, 2 MB of dC rows) is copied or added into place while in cache,
+# where one chunk-sized result would page-fault 48 MB per chunk. Smaller slices hold fewer
+# transient bytes at the peak (measured: 1024 vs 2048 ~5 MB less peak RSS, same time).
+ONEDNN_SLICE = 1024
+
+
+def _use_onednn(*ts: torch.Tensor) -> bool:
+    """Whether these fp32 CPU operands' GEMMs go through oneDNN rather than torch.mm (BLAS).
+
+    Same fp32 products with fp32 accumulation (only the summation order differs; a reduced
+    precision chosen through torch.backends.mkldnn applies to both), different kernels: on the
+    AMD EPYC of docs/benchmarks.md torch.mm's MKL sgemm runs at ~170 GFLOP/s, the 256-bit FMA
+    peak, and oneDNN's AVX-512 brgemm at ~340 (measured).
+    """
+    return (
+        _LINEAR is not None
+        and torch._C._get_mkldnn_enabled()
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() for t in ts)
+    )
+
+
 def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int = 8192) -> None:
     """out += a @ b (out in the accumulation dtype), bounding temporaries to ``block`` rows."""
     if b.dtype == out.dtype:
@@ -56,6 +91,19 @@ def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int = 81
         return
     for s in range(0, out.shape[0], block):
         out[s : s + block] += _mm(a[s : s + block], b, out.dtype)
+
+
+def _addmm_tn_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a.T @ b (fp32 CPU: oneDNN, per vocabulary slice of a's columns)."""
+    if not _use_onednn(a, b, out):
+        _addmm_(out, a.T, b)
+        return
+    bT = b.T.contiguous()  # [D, n]
+    S = ONEDNN_SLICE
+    for v in range(0, a.shape[1], S):
+        # The op takes a plain (row-major) input: the [n, S] slice is transposed into one
+        # (cache-sized) copy; its [S, D] product is added to out's rows while in cache.
+        out[v : v + S] += _LINEAR(a[:, v : v + S].T.contiguous(), bT, None, "none", [], "")
 
 
 class _Problem:
@@ -113,25 +161,45 @@ class _Problem:
         The logits are written into ``buf`` (one chunk buffer reused for every chunk, so that two
         chunks never coexist and no chunk pays fresh page faults).
         """
-        z = _mm(ec, self.c_op.T, self.acc, out=buf[: ec.shape[0]])  # [n, V]
-        if self.bias is not None:
-            z += self.bias
+        z = buf[: ec.shape[0]]  # [n, V]
+        if _use_onednn(ec, self.c_op):
+            S = ONEDNN_SLICE
+            for v in range(0, self.V, S):
+                b = None if self.bias is None else self.bias[v : v + S]
+                z[:, v : v + S] = _LINEAR(ec, self.c_op[v : v + S], b, "none", [], "")
+        else:
+            _mm(ec, self.c_op.T, self.acc, out=z)
+            if self.bias is not None:
+                z += self.bias
         if self.softcap > 0:
             th = z.div_(self.softcap).tanh_()
             return th * self.softcap, th
         return z, None
 
     def stats_(self, L: torch.Tensor, tc: torch.Tensor):
-        """(lse, tgt, ssum, rowsum) of a chunk; L becomes exp(L - rowmax) in place.
+        """(lse, tgt, ssum, rowsum) of a chunk, overwriting L in place with rowsum_i * softmax(L)_i.
 
-        In place and without a chunk-sized temporary (torch.logsumexp would allocate one); the
-        softmax is then L / rowsum.
+        In place and without a chunk-sized temporary (torch.logsumexp would allocate one).
+
+        On CPU L becomes the softmax itself (rowsum None) through aten's row-wise softmax kernel:
+        it finishes one row (max, exp-and-sum, scale; 128 KB at V = 32000) before the next, so its
+        sweeps run from L2 instead of as separate passes over the whole chunk from memory. Run
+        in place, each output entry is written from its own input entry only (the kernel's
+        map(x -> exp(x - max)) and map(x -> x * (1 / sum)), checked by
+        tests/test_torch_impl_cpu.py). The entry at the row max m is exp(0) / rowsum, the row's
+        largest, so lse = m - log(max_v p_v): one rounding of 1 / rowsum from m + log(rowsum).
+        Elsewhere L becomes exp(L - m) (softmax = L / rowsum).
         """
         tgt = L.gather(1, tc[:, None]).squeeze(1)
         ssum = None
         if self.k.smoothing:
             ssum = L.sum(1) if self.weight is None else L @ self.weight
         m = L.amax(1)
+        if self.cpu:
+            torch.ops.aten._softmax.out(L, 1, False, out=L)
+            # A row of -inf (or with +inf) has no finite max: lse is m itself, as below.
+            lse = torch.where(torch.isfinite(m), m - L.amax(1).log(), m)
+            return lse, tgt, ssum, None
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
         L.sub_(m[:, None]).exp_()
         rowsum = L.sum(1)
@@ -170,89 +238,88 @@ class _Problem:
             self._wC = c.sum(0) if self.weight is None else self.weight @ c
         return self._wC
 
-    def kept_tiles(self, P: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor | None:
+    def kept_tiles(self, P: torch.Tensor, alpha: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor | None:
         """[row blocks, vocab blocks] bool: tiles to compute exactly (None: the whole chunk).
 
-        P holds alpha_i p_iv. A (FILTER_BLOCK_N x FILTER_BLOCK_V) tile is filtered when every
-        |alpha_i p_iv| in it is below eps * max_i |alpha_i| (for mean/sum without weights or
-        z-loss alpha is the same for all rows, so this is exactly "every probability below eps").
-        When most tiles are kept, the dense exact product is cheaper than gathering: None.
+        The dense part of dZ is diag(r) P (r None: P itself, already scaled). A (FILTER_BLOCK_N x
+        FILTER_BLOCK_V) tile is filtered when every |alpha_i p_iv| in it is below
+        eps * max_i |alpha_i| (for mean/sum without weights or z-loss alpha is the same for all
+        rows, so this is exactly "every probability below eps"). With a pending row scale r
+        (P >= 0) the test is colmax_tile(P) * max_tile |r_i| < thr, which implies it, and is the
+        same test where r is constant over the tile's rows.
+
+        When most tiles are kept, the dense exact product is cheaper than gathering: None. That
+        choice only trades time (the dense product is exact), so the first row block decides it
+        when that block alone keeps most of its tiles, sparing a pass over the chunk on data
+        where nothing can be filtered.
         """
         if self.eps <= 0:
             return None
         B, R = FILTER_BLOCK_V, FILTER_BLOCK_N
         n, nb = P.shape[0], math.ceil(self.V / B)
-        nonneg = bool((alpha >= 0).all())  # CPU only (filtering is)
+        nonneg = r is not None or bool((alpha >= 0).all())  # CPU only (filtering is)
         thr = self.eps * alpha.abs().max()
         keep = torch.empty(math.ceil(n / R), nb, dtype=torch.bool)
-        for r in range(keep.shape[0]):
-            Pr = P[r * R : (r + 1) * R]
+        for i in range(keep.shape[0]):
+            Pr = P[i * R : (i + 1) * R]
             colmax = Pr.amax(0) if nonneg else Pr.abs().amax(0)
+            if r is not None:
+                colmax = colmax * r[i * R : (i + 1) * R].abs().max()
             colmax = torch.nn.functional.pad(colmax, (0, nb * B - self.V))
-            keep[r] = colmax.view(nb, B).amax(1) >= thr
+            keep[i] = colmax.view(nb, B).amax(1) >= thr
+            if i == 0 and float(keep[0].float().mean()) > DENSE_FRACTION:
+                return None
         return None if float(keep.float().mean()) > DENSE_FRACTION else keep
 
-    def grads(self, ec, tc, P, th, alpha, beta, gamma, need_de, dC, dbias, corr):
+    def grads(self, ec, tc, P, th, alpha, beta, gamma, r, need_de, dC, dbias, corr):
         """One chunk's gradient; returns dE of the chunk's rows (or None), accumulates dC, dbias.
 
-        P holds alpha_i p_iv and is consumed in place. dZ = (alpha P - beta onehot(t) - gamma w)
-        * softcap'(z). When no tile is filtered, every term is folded into one dense dZ (two
-        matmuls). Otherwise the dense part alpha P is filtered per (row block x vocab block) tile
-        (a skipped tile contributes a rank-1 correction), and the target and (without softcap)
-        smoothing terms are added exactly, so that filtering never touches them.
+        dZ = (alpha p - beta onehot(t) - gamma w) * softcap'(z), whose dense part alpha p is
+        diag(r) P: P holds alpha_i p_iv when r is None, else a row scale r is still pending
+        (p itself with r = alpha, or exp(z - m) with r = alpha / rowsum), and is consumed in
+        place. A pending scale stays out of the chunk when no tile is filtered: it multiplies
+        the [n, D] operands instead (dC += P^T diag(r) E, dE = diag(r) (P C)), saving a pass
+        over the chunk. The target and (without softcap) smoothing terms are rank-1 per row and
+        always added exactly outside P. Filtering (per row block x vocab block tile, a skipped
+        tile contributing a rank-1 correction) works on the scaled P.
         """
-        keep = self.kept_tiles(P, alpha)
+        keep = self.kept_tiles(P, alpha, r)
         dense = keep is None
         w = self.weight
+        # (Off CPU the [n, D] operands may be in a 16-bit dtype: scaling them would add a rounding.)
+        if r is not None and (not dense or self.fold_smoothing or not self.cpu):
+            P.mul_(r[:, None])
+            r = None
         sc = None
         if th is not None:
             sc = th.square_().neg_().add_(1.0)  # softcap'(z) = 1 - tanh^2, in place of th
-        fold_smoothing = self.k.smoothing and (dense or self.fold_smoothing)
-        if fold_smoothing:
+        if self.fold_smoothing:  # -gamma_i w_v softcap'_iv is not rank-1: into P (scaled)
             P.addr_(gamma, w if w is not None else torch.ones_like(P[0]), alpha=-1.0)
         if sc is not None:
-            P.mul_(sc)
             bt = beta * sc.gather(1, tc[:, None]).squeeze(1)
+            P.mul_(sc)
         else:
             bt = beta
-        if dense:
-            P.scatter_add_(1, tc[:, None], -bt[:, None])
         if dbias is not None:
-            dbias += P.sum(0)
-        if dense:  # P is the whole dZ of the chunk
+            if r is None:
+                dbias += P.sum(0)
+            else:
+                dbias.addmv_(P.T, r)
+        if dense:
             if dC is not None:
-                _addmm_(dC, P.T, ec)
-            return _mm(P, self.c_op, self.acc) if need_de else None
-
-        n = P.shape[0]
-        B, R = FILTER_BLOCK_V, FILTER_BLOCK_N
-        blk_of_col = torch.arange(self.V, device=P.device) // B
-        dE_c = torch.zeros(n, self.D, dtype=self.acc, device=P.device) if need_de else None
-        blk = None
-        if need_de:  # rowsum of P per vocab block [n, n_blocks], for the skipped tiles
-            blk = torch.zeros(n, keep.shape[1], dtype=P.dtype, device=P.device)
-            blk.index_add_(1, blk_of_col, P)
-        for r in range(keep.shape[0]):
-            rows = slice(r * R, min((r + 1) * R, n))
-            Pr, er = P[rows], ec[rows]
-            col_keep = keep[r][blk_of_col]
-            kcols = col_keep.nonzero().squeeze(1)
-            if kcols.numel():
-                Pk = Pr.index_select(1, kcols)
-                if need_de:
-                    dE_c[rows] += _mm(Pk, self.c_op.index_select(0, kcols), self.acc)
-                if dC is not None:
-                    dC.index_add_(0, kcols, _mm(Pk.T, er, self.acc))
-            # Skipped tiles: rowsum (outer) mean(C_tile) to dE, colsum (outer) mean(E_tile) to dC.
-            skip = ~keep[r]
+                _addmm_tn_(dC, P, ec if r is None else ec * r[:, None])
+            dE_c = None
             if need_de:
-                dE_c[rows] += blk[rows][:, skip] @ self.block_means[skip]
-            if dC is not None:
-                corr.append((torch.where(col_keep, 0.0, Pr.sum(0)), er.to(self.acc).mean(0)))
-                if len(corr) >= CORR_BATCH:
-                    _flush_corrections(dC, corr)
+                if _use_onednn(P, self.c_op):
+                    dE_c = _LINEAR(P, self.c_op.T, None, "none", [], "")  # weights read transposed
+                else:
+                    dE_c = _mm(P, self.c_op, self.acc)
+                if r is not None:
+                    dE_c.mul_(r[:, None])
+        else:
+            dE_c = self._filtered(ec, P, keep, need_de, dC, corr)
         # Exact terms outside the filter.
-        unfolded_smoothing = self.k.smoothing and not fold_smoothing
+        unfolded_smoothing = self.k.smoothing and not self.fold_smoothing
         if dbias is not None:
             dbias.index_add_(0, tc, -bt)
             if unfolded_smoothing:
@@ -268,6 +335,38 @@ class _Problem:
             if unfolded_smoothing:
                 wv = w if w is not None else torch.ones(self.V, dtype=self.acc, device=ec.device)
                 dC.addr_(wv, gamma @ ecf, alpha=-1.0)
+        return dE_c
+
+    def _filtered(self, ec, P, keep, need_de, dC, corr):
+        """dE of the chunk (or None) and dC accumulation for the dense part P (scaled) filtered
+        per kept tile; a skipped tile contributes rowsum (outer) mean(C_tile) to dE and
+        colsum (outer) mean(E_tile) to dC."""
+        n = P.shape[0]
+        B, R = FILTER_BLOCK_V, FILTER_BLOCK_N
+        blk_of_col = torch.arange(self.V, device=P.device) // B
+        dE_c = torch.zeros(n, self.D, dtype=self.acc, device=P.device) if need_de else None
+        blk = None
+        if need_de:  # rowsum of P per vocab block [n, n_blocks], for the skipped tiles
+            blk = torch.zeros(n, keep.shape[1], dtype=P.dtype, device=P.device)
+            blk.index_add_(1, blk_of_col, P)
+        for i in range(keep.shape[0]):
+            rows = slice(i * R, min((i + 1) * R, n))
+            Pr, er = P[rows], ec[rows]
+            col_keep = keep[i][blk_of_col]
+            kcols = col_keep.nonzero().squeeze(1)
+            if kcols.numel():
+                Pk = Pr.index_select(1, kcols)
+                if need_de:
+                    dE_c[rows] += _mm(Pk, self.c_op.index_select(0, kcols), self.acc)
+                if dC is not None:
+                    dC.index_add_(0, kcols, _mm(Pk.T, er, self.acc))
+            skip = ~keep[i]
+            if need_de:
+                dE_c[rows] += blk[rows][:, skip] @ self.block_means[skip]
+            if dC is not None:
+                corr.append((torch.where(col_keep, 0.0, Pr.sum(0)), er.to(self.acc).mean(0)))
+                if len(corr) >= CORR_BATCH:
+                    _flush_corrections(dC, corr)
         return dE_c
 
     def loss_coefficients(self, g: torch.Tensor, h: torch.Tensor | None):
@@ -315,11 +414,12 @@ class _Problem:
             if not want_grad:
                 continue
             alpha, beta, gamma = (None if x is None else x.to(acc) for x in coef(prow, lse_c))
-            if rowsum is None:
+            if lse_in is not None:
                 self.scaled_softmax_(L, lse_c, alpha)
-            else:
-                L.mul_((alpha / rowsum)[:, None])  # alpha * softmax, normalisation folded in
-            dE_c = self.grads(ec, tc, L, th, alpha, beta, gamma, dE is not None, dC, dbias, corr)
+                r = None
+            else:  # L holds rowsum * softmax: the row scale alpha / rowsum is left to grads
+                r = alpha if rowsum is None else alpha / rowsum
+            dE_c = self.grads(ec, tc, L, th, alpha, beta, gamma, r, dE is not None, dC, dbias, corr)
             if dE is not None:
                 if isinstance(erow, slice):
                     dE[erow] = dE_c
@@ -527,6 +627,10 @@ def _setup_context(ctx, inputs, output):
     ) = inputs
     loss, lse, dE, dC, db = output
     ctx.mark_non_differentiable(dE, dC, db)
+    # No zero-filled incoming gradients for the unused outputs: dC's would be a fresh V x D
+    # tensor filled each backward (page faults included: measured ~17 ms and ~17 MB of peak RSS
+    # at V = 32000, D = 512). _backward handles None for every incoming gradient.
+    ctx.set_materialize_grads(False)
     ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, eps, precompute)
     ctx.dtypes = (e2d.dtype, c.dtype, None if bias is None else bias.dtype)
     # Precomputed gradients are kept on ctx, not saved tensors: backward scales them in place,
