@@ -84,13 +84,17 @@ def _use_onednn(*ts: torch.Tensor) -> bool:
     )
 
 
-def _addmm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int = 8192) -> None:
-    """out += a @ b (out in the accumulation dtype), bounding temporaries to ``block`` rows."""
-    if b.dtype == out.dtype:
+def _addmm_(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, block: int = 8192, scale: torch.Tensor | None = None
+) -> None:
+    """out += a @ b [* scale] (out in the accumulation dtype), bounding temporaries to ``block``
+    rows."""
+    if b.dtype == out.dtype and scale is None:
         out.addmm_(a.to(out.dtype), b)
         return
     for s in range(0, out.shape[0], block):
-        out[s : s + block] += _mm(a[s : s + block], b, out.dtype)
+        r = _mm(a[s : s + block], b, out.dtype)
+        out[s : s + block] += r if scale is None else r * scale
 
 
 def _addmm_tn_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -300,6 +304,15 @@ class _Problem:
             P.mul_(sc)
         else:
             bt = beta
+        # 16-bit operands (off CPU): the target entry alpha p_t - beta is a cancellation (p_t near
+        # 1), so it is formed in fp32 inside P before P is rounded to the operand dtype; rounding
+        # alpha p_t alone and subtracting beta exactly would leave 2^-9 alpha of error in a small
+        # difference (the Triton kernels' TARGET_LO note measures the effect). fp32 operands: the
+        # target term stays outside, exact.
+        fold_target = dense and self.c_op.dtype != self.acc
+        if fold_target:
+            P.scatter_add_(1, tc[:, None], -bt[:, None])
+            return self._dense_16bit(ec, tc, P, gamma, need_de, dC, dbias)
         if dbias is not None:
             if r is None:
                 dbias += P.sum(0)
@@ -334,6 +347,52 @@ class _Problem:
             dC.index_add_(0, tc, -(bt[:, None] * ecf))
             if unfolded_smoothing:
                 wv = w if w is not None else torch.ones(self.V, dtype=self.acc, device=ec.device)
+                dC.addr_(wv, gamma @ ecf, alpha=-1.0)
+        return dE_c
+
+    def _dense_16bit(self, ec, tc, P, gamma, need_de, dC, dbias):
+        """dE of the chunk (or None), dC / dbias accumulation, for 16-bit operands (off CPU): P is
+        the chunk's whole dZ in fp32, target entry included; the gradient products round it to
+        the operand dtype.
+
+        fp16: P is first divided by its largest |entry| (a device scalar, no sync), as alpha p can
+        sit below fp16's normal range (alpha ~ 1/N for "mean"), and the products multiplied back.
+        The target entry's rounding remainder lo_i = dZ_it - round(dZ_it) is added back in fp32
+        (lo_i c_t to dE_i, lo_i e_i to dC_t): it is the one entry whose rounding error does not
+        average out, and dE_i, dC_t are small differences there.
+        """
+        scale = None
+        if self.c_op.dtype == torch.float16:
+            scale = P.abs().amax().clamp(min=1e-30)
+            P.div_(scale)
+        pt = P.gather(1, tc[:, None]).squeeze(1)
+        lo = pt - pt.to(self.c_op.dtype).to(self.acc)
+        if scale is not None:
+            lo = lo * scale
+        if dbias is not None:
+            dbias += P.sum(0) if scale is None else P.sum(0) * scale
+            if self.k.smoothing and not self.fold_smoothing:
+                w = self.weight
+                dbias.sub_((w if w is not None else torch.ones_like(dbias)) * gamma.sum())
+        unfolded_smoothing = self.k.smoothing and not self.fold_smoothing
+        dE_c = None
+        if need_de:
+            dE_c = _mm(P, self.c_op, self.acc)
+            if scale is not None:
+                dE_c *= scale
+            dE_c += lo[:, None] * self.c_op.index_select(0, tc).to(self.acc)
+            if unfolded_smoothing:
+                dE_c -= gamma[:, None] * self.wC
+        if dC is not None:
+            _addmm_(dC, P.T, ec, scale=scale)
+            ecf = ec.to(self.acc)
+            dC.index_add_(0, tc, lo[:, None] * ecf)
+            if unfolded_smoothing:
+                wv = (
+                    self.weight
+                    if self.weight is not None
+                    else torch.ones(self.V, dtype=self.acc, device=ec.device)
+                )
                 dC.addr_(wv, gamma @ ecf, alpha=-1.0)
         return dE_c
 
