@@ -97,10 +97,12 @@ def _addmm_(
         out[s : s + block] += r if scale is None else r * scale
 
 
-def _addmm_tn_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """out += a.T @ b (fp32 CPU: oneDNN, per vocabulary slice of a's columns)."""
-    if not _use_onednn(a, b, out):
-        _addmm_(out, a.T, b)
+def _addmm_tn_(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None
+) -> None:
+    """out += a.T @ b [* scale] (fp32 CPU: oneDNN, per vocabulary slice of a's columns)."""
+    if scale is not None or not _use_onednn(a, b, out):
+        _addmm_(out, a.T, b, scale=scale)
         return
     bT = b.T.contiguous()  # [D, n]
     S = ONEDNN_SLICE
@@ -304,23 +306,33 @@ class _Problem:
             P.mul_(sc)
         else:
             bt = beta
-        # 16-bit operands (off CPU): the target entry alpha p_t - beta is a cancellation (p_t near
-        # 1), so it is formed in fp32 inside P before P is rounded to the operand dtype; rounding
-        # alpha p_t alone and subtracting beta exactly would leave 2^-9 alpha of error in a small
-        # difference (the Triton kernels' TARGET_LO note measures the effect). fp32 operands: the
-        # target term stays outside, exact.
-        fold_target = dense and self.c_op.dtype != self.acc
-        if fold_target:
+        # The target entry alpha p_t - beta is added exactly outside P (coefficient tcoef), except
+        # with 16-bit operands (off CPU): there it is a cancellation (p_t near 1) that rounding
+        # alpha p_t alone would spoil (2^-9 alpha of error in a small difference; the Triton
+        # kernels' TARGET_LO note measures the effect), so it is formed in fp32 inside P and only
+        # its rounding remainder lo_i = dZ_it - round(dZ_it) goes outside. fp16: P is also divided
+        # by its largest |entry| (a device scalar, no sync), as alpha p can sit below fp16's normal
+        # range (alpha ~ 1/N for "mean"); the products are multiplied back.
+        tcoef = -bt
+        scale = None
+        folded = dense and self.c_op.dtype != self.acc
+        if folded:
             P.scatter_add_(1, tc[:, None], -bt[:, None])
-            return self._dense_16bit(ec, tc, P, gamma, need_de, dC, dbias)
+            if self.c_op.dtype == torch.float16:
+                scale = P.abs().amax().clamp(min=1e-30)
+                P.div_(scale)
+            pt = P.gather(1, tc[:, None]).squeeze(1)
+            tcoef = pt - pt.to(self.c_op.dtype).to(self.acc)
+            if scale is not None:
+                tcoef = tcoef * scale
         if dbias is not None:
-            if r is None:
-                dbias += P.sum(0)
-            else:
+            if r is not None:
                 dbias.addmv_(P.T, r)
+            else:
+                dbias += P.sum(0) if scale is None else P.sum(0) * scale
         if dense:
             if dC is not None:
-                _addmm_tn_(dC, P, ec if r is None else ec * r[:, None])
+                _addmm_tn_(dC, P, ec if r is None else ec * r[:, None], scale=scale)
             dE_c = None
             if need_de:
                 if _use_onednn(P, self.c_op):
@@ -329,70 +341,27 @@ class _Problem:
                     dE_c = _mm(P, self.c_op, self.acc)
                 if r is not None:
                     dE_c.mul_(r[:, None])
+                if scale is not None:
+                    dE_c.mul_(scale)
         else:
             dE_c = self._filtered(ec, P, keep, need_de, dC, corr)
         # Exact terms outside the filter.
         unfolded_smoothing = self.k.smoothing and not self.fold_smoothing
         if dbias is not None:
-            dbias.index_add_(0, tc, -bt)
+            if not folded:  # (folded: the target entry is in P's column sums)
+                dbias.index_add_(0, tc, -bt)
             if unfolded_smoothing:
                 # gamma.sum() stays a tensor: a Python float would synchronise with the device.
                 dbias.sub_((w if w is not None else torch.ones_like(dbias)) * gamma.sum())
         if need_de:
-            dE_c -= bt[:, None] * self.c_op.index_select(0, tc).to(self.acc)
+            dE_c += tcoef[:, None] * self.c_op.index_select(0, tc).to(self.acc)
             if unfolded_smoothing:
                 dE_c -= gamma[:, None] * self.wC
         if dC is not None:
             ecf = ec.to(self.acc)
-            dC.index_add_(0, tc, -(bt[:, None] * ecf))
+            dC.index_add_(0, tc, tcoef[:, None] * ecf)
             if unfolded_smoothing:
                 wv = w if w is not None else torch.ones(self.V, dtype=self.acc, device=ec.device)
-                dC.addr_(wv, gamma @ ecf, alpha=-1.0)
-        return dE_c
-
-    def _dense_16bit(self, ec, tc, P, gamma, need_de, dC, dbias):
-        """dE of the chunk (or None), dC / dbias accumulation, for 16-bit operands (off CPU): P is
-        the chunk's whole dZ in fp32, target entry included; the gradient products round it to
-        the operand dtype.
-
-        fp16: P is first divided by its largest |entry| (a device scalar, no sync), as alpha p can
-        sit below fp16's normal range (alpha ~ 1/N for "mean"), and the products multiplied back.
-        The target entry's rounding remainder lo_i = dZ_it - round(dZ_it) is added back in fp32
-        (lo_i c_t to dE_i, lo_i e_i to dC_t): it is the one entry whose rounding error does not
-        average out, and dE_i, dC_t are small differences there.
-        """
-        scale = None
-        if self.c_op.dtype == torch.float16:
-            scale = P.abs().amax().clamp(min=1e-30)
-            P.div_(scale)
-        pt = P.gather(1, tc[:, None]).squeeze(1)
-        lo = pt - pt.to(self.c_op.dtype).to(self.acc)
-        if scale is not None:
-            lo = lo * scale
-        if dbias is not None:
-            dbias += P.sum(0) if scale is None else P.sum(0) * scale
-            if self.k.smoothing and not self.fold_smoothing:
-                w = self.weight
-                dbias.sub_((w if w is not None else torch.ones_like(dbias)) * gamma.sum())
-        unfolded_smoothing = self.k.smoothing and not self.fold_smoothing
-        dE_c = None
-        if need_de:
-            dE_c = _mm(P, self.c_op, self.acc)
-            if scale is not None:
-                dE_c *= scale
-            dE_c += lo[:, None] * self.c_op.index_select(0, tc).to(self.acc)
-            if unfolded_smoothing:
-                dE_c -= gamma[:, None] * self.wC
-        if dC is not None:
-            _addmm_(dC, P.T, ec, scale=scale)
-            ecf = ec.to(self.acc)
-            dC.index_add_(0, tc, lo[:, None] * ecf)
-            if unfolded_smoothing:
-                wv = (
-                    self.weight
-                    if self.weight is not None
-                    else torch.ones(self.V, dtype=self.acc, device=ec.device)
-                )
                 dC.addr_(wv, gamma @ ecf, alpha=-1.0)
         return dE_c
 

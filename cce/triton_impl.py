@@ -195,27 +195,13 @@ def vocab_order(e2d, c, bias, r: _Rows) -> torch.Tensor:
     return vocab_scores(e2d, c, bias, r)[0]
 
 
-def _tile_means_c(c: torch.Tensor, perm: torch.Tensor | None, BV: int) -> torch.Tensor:
-    """[n_vtiles, D] mean of c's rows over each tile of the walking order.
-
-    Gathers the rows in walking order chunk by chunk and reduces contiguous groups of BV (no
-    scatter-add: an index_add_ over V x D elements with BV-way collisions is far slower)."""
-    V, D = c.shape
-    nt = -(-V // BV)
-    sums = torch.empty(nt, D, dtype=torch.float32, device=c.device)
-    chunk = max(BV, (_CHUNK_ROWS // BV) * BV)
-    for s in range(0, V, chunk):
-        t = min(s + chunk, V)
-        rows = (c[s:t] if perm is None else c.index_select(0, perm[s:t])).float()
-        full = (t - s) // BV
-        if full:
-            sums[s // BV : s // BV + full] = rows[: full * BV].view(full, BV, D).sum(1)
-        if (t - s) % BV:
-            sums[s // BV + full] = rows[full * BV :].sum(0)
-    # Tile sizes without a host-to-device copy (CUDA graph capture forbids one).
-    tiles = torch.arange(nt, device=c.device)
-    counts = torch.where(tiles == nt - 1, float(V - (nt - 1) * BV), float(BV))
-    return sums / counts[:, None]
+def _weighted_rows(w: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_i w_i x[index[i]] (x's rows in order without index), fp32 [D], in row chunks."""
+    out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+    for s, t in _row_chunks(w.numel()):
+        rows = x[s:t] if index is None else x.index_select(0, index[s:t])
+        out += w[s:t].float() @ rows.float()
+    return out
 
 
 def _block_means_e(e2d: torch.Tensor, r: _Rows, BN: int) -> torch.Tensor:
@@ -297,9 +283,7 @@ def _backward_core(
     if smoothing:  # without softcap: -gamma_i w_v is rank-1, added exactly outside the tiles
         w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
         if need_dc:
-            ge = torch.zeros(D, dtype=torch.float32, device=dev)
-            for s, t in _row_chunks(r.N):
-                ge += gamma[s:t] @ e2d.index_select(0, r.erow[s:t]).float()
+            ge = _weighted_rows(gamma, e2d, r.erow)
     if dc_atomic is None:
         dc_atomic = DC_ATOMIC
     if dc_atomic:
@@ -314,7 +298,8 @@ def _backward_core(
     dE, dC, db = out.dE, out.dC, out.dbias
     # Skipped tiles: rank-1 corrections rowsum(dZ_tile) x mean(C_tile), colsum(dZ_tile) x mean(E_block).
     if out.R is not None:
-        Cm = _tile_means_c(c, perm, out.BLOCK_V)
+        order = perm if perm is not None else torch.arange(V, device=dev)
+        Cm = K.tile_means(c, order, out.BLOCK_V, torch.float32)
         for s, t in _row_chunks(r.N):
             dE.index_add_(0, r.erow_s[s:t], out.R[s:t] @ Cm)
     if dc_atomic and out.CSK is not None:
@@ -323,10 +308,7 @@ def _backward_core(
         if db is not None:
             db.sub_(w * gamma.sum())
         if dE is not None:
-            wC = torch.zeros(D, dtype=torch.float32, device=dev)
-            for s, t in _row_chunks(V):
-                wC += w[s:t] @ c[s:t].float()
-            dE.index_add_(0, r.erow, -gamma[:, None] * wC[None, :])
+            dE.index_add_(0, r.erow, -gamma[:, None] * _weighted_rows(w, c)[None, :])
         if dc_atomic and dC is not None:
             dC.addr_(w, ge, alpha=-1.0)
     return dE, dC, db, out
@@ -433,9 +415,7 @@ def sparse_backward(
     if need_de:
         list_e, cnt_e = _lists(keep)
         if smooth:
-            wc = torch.zeros(D, dtype=f32, device=dev)
-            for s, t in _row_chunks(V):
-                wc += w[s:t] @ c[s:t].float()
+            wc = _weighted_rows(w, c)
     if need_dc:
         dc_in = _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, gamma, BN, BV)
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot.
@@ -491,19 +471,14 @@ def _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, g
     sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
     sc[:V] = vscore
     q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V].contiguous()
-    inv = torch.empty(V, dtype=torch.long, device=dev).index_copy_(0, vperm, torch.arange(V, device=dev))
-    tp = inv.index_select(0, t_s)
+    tp = K.inverse_permutation(vperm).index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)
     trow = r.erow_s.index_select(0, order).contiguous()
     tpos = tp.index_select(0, order).to(torch.int32)
     tcoef = coef.index_select(0, order).contiguous()
     seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
-    ge = None
-    if gamma is not None:
-        ge = torch.zeros(D, dtype=f32, device=dev)
-        for s, t in _row_chunks(N):
-            ge += gamma[s:t].float() @ e2d.index_select(0, r.erow[s:t]).float()
+    ge = None if gamma is None else _weighted_rows(gamma, e2d, r.erow)
     return list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge
 
 

@@ -245,6 +245,14 @@ def _n_sm(device: torch.device) -> int:
 FWD_PROGRAMS_PER_SM = 8
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv with inv[perm[i]] = i (int64): the position of each vocabulary id in the order."""
+    n = perm.numel()
+    return torch.empty(n, dtype=torch.long, device=perm.device).index_copy_(
+        0, perm, torch.arange(n, device=perm.device)
+    )
+
+
 def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_V) of the forward's tiles for ``dtype``: the tiles of the tile statistics."""
     cfg = _config(dtype, "fwd")
@@ -299,8 +307,7 @@ def linear_ce_forward(
     f32 = torch.float32
     tpos = tgt
     if stats:
-        inv = torch.empty(V, dtype=torch.long, device=dev).index_copy_(0, perm, torch.arange(V, device=dev))
-        tpos = inv.index_select(0, tgt)
+        tpos = inverse_permutation(perm).index_select(0, tgt)
     Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
     Se = torch.zeros((parts, N), dtype=f32, device=dev)
     Tl = torch.zeros((parts, N), dtype=f32, device=dev)
@@ -311,30 +318,32 @@ def linear_ce_forward(
             raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
         St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev)
         Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev)
-    if N > 0:
 
-        def launch(grid, part0, tile_lo, tps, m0):
-            _fwd_kernel[grid](
-                e2d, c, bias if bias is not None else e2d, weight if weight is not None else e2d,
-                erow, tpos, n_valid, perm if stats else erow, m0 if m0 is not None else Mx,
-                Mx[part0:], Se[part0:], Tl[part0:], Ss[part0:],
-                St if stats else Mx, Sq if stats else Mx,
-                N, V, D, e2d.stride(0), c.stride(0), N, n_vtiles, n_vtiles, tile_lo, tps, float(softcap),
-                math.log(eps) if stats else 0.0,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smoothing,
-                HAS_WEIGHT=weight is not None, SORTED=stats, STATS=stats, HAS_INIT=m0 is not None,
-                BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
-                PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
+    def launch(grid, part0, tile_lo, tps, m0):
+        _fwd_kernel[grid](
+            e2d, c, bias if bias is not None else e2d, weight if weight is not None else e2d,
+            erow, tpos, n_valid, perm if stats else erow, m0 if m0 is not None else Mx,
+            Mx[part0:], Se[part0:], Tl[part0:], Ss[part0:],
+            St if stats else Mx, Sq if stats else Mx,
+            N, V, D, e2d.stride(0), c.stride(0), N, n_vtiles, n_vtiles, tile_lo, tps, float(softcap),
+            math.log(eps) if stats else 0.0,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smoothing,
+            HAS_WEIGHT=weight is not None, SORTED=stats, STATS=stats, HAS_INIT=m0 is not None,
+            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+            PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
 
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            m0 = None
-            if stats:
+    ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    m0 = None
+    if stats:
+        if N > 0:
+            with ctx:
                 launch((n_blocks, 1), 0, 0, 1, None)
-                # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read).
-                m0 = Mx[0] + torch.log(Se[0])
-            if splits:
-                launch((n_blocks, splits), head, head, tiles_per_split, m0)
+        # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read by the kernel).
+        m0 = Mx[0] + torch.log(Se[0])
+    if N > 0 and splits:
+        with ctx:
+            launch((n_blocks, splits), head, head, tiles_per_split, m0)
     # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
     # m = -inf, S = 0 everywhere and are zeroed through `done`.
     M = Mx.max(0).values
@@ -344,10 +353,9 @@ def linear_ce_forward(
     lse = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
     tl_ = torch.where(done, Tl.sum(0), 0.0)
     ss = torch.where(done, Ss.sum(0), 0.0) if smoothing else None
-    if stats:
-        m0 = Mx[0] + torch.log(Se[0])
+    if m0 is not None:
         m0 = torch.where(torch.isfinite(m0), m0, 0.0)
-    return FwdStats(lse, tl_, ss, St, Sq, m0 if stats else None)
+    return FwdStats(lse, tl_, ss, St, Sq, m0)
 
 
 @triton.jit
