@@ -97,21 +97,130 @@ def _logit_tile(
 
 
 @triton.jit
-def _fwd_kernel(
-    E, C, Bias, W, Erow, TPos, NValid, Perm, M0,
-    Mx, Se, Tl, Ss, St, Sq,
-    N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tiles_per_split, softcap,
-    log_eps,
+def _exp(x):
+    # exp through exp2 of the scaled difference (see _fwd_tile for the measured effect). The
+    # scale is applied to the difference (x = z - m), so its rounding stays relative to x.
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
+def _target_logit_kernel(
+    E, C, Bias, Erow, Tgt, NValid, Out, N, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Out[i] = z of row i's target (bias and softcap applied), fp32; 0 past the valid rows."""
+    n_valid = tl.load(NValid)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        m = row_mask[:, None] & ((d0 + offs_d) < D)[None, :]
+        e = tl.load(E + erow[:, None] * stride_e + (d0 + offs_d)[None, :], mask=m, other=0.0)
+        c = tl.load(C + tgt[:, None] * stride_c + (d0 + offs_d)[None, :], mask=m, other=0.0)
+        acc += e.to(tl.float32) * c.to(tl.float32)
+    z = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        z += tl.load(Bias + tgt, mask=row_mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    tl.store(Out + offs_n, tl.where(row_mask, z, 0.0), mask=offs_n < N)
+
+
+@triton.jit
+def _fwd_tile(
+    L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
+    V, n_vtiles, stride_st, softcap, log_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr,
+    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One logit tile L [BLOCK_N, BLOCK_V] (fp32, before bias and softcap) into the online softmax.
+
+    Per-entry work is kept to the minimum (it is the part of the tile time that the matmul does
+    not hide: a target comparison, selection and sum per entry measured +25% of the matmul's
+    time on H100): the column mask only on the last tile; with STATS one comparison that takes
+    the target out of the tile's max and mass, its term then added from zt (the target logit,
+    computed beforehand); without STATS the target is an entry like any other. The exponent is
+    scaled after the subtraction: exp2 of a pre-scaled logit z * log2(e) would carry an absolute
+    rounding error of |z| 2^-24 into every term.
+    """
+    lo = tile * BLOCK_V
+    offs_p = lo + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    if HAS_BIAS or HAS_WEIGHT:
+        if SORTED:
+            vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+        else:
+            vid = offs_p.to(tl.int64)
+    if HAS_BIAS:
+        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
+        L += b[None, :]  # once per tile, after the whole D loop
+    if HAS_SOFTCAP:
+        th = _tanh(L / softcap)
+        L = softcap * th
+    if HAS_SMOOTH:
+        if HAS_WEIGHT:
+            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
+            ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0) * w[None, :], axis=1)
+        else:
+            ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
+    if lo + BLOCK_V > V:
+        L = tl.where(col_mask[None, :], L, float("-inf"))
+    if STATS:
+        # The non-target max and mass are the tile statistics (tpos: the target's position in
+        # the walking order).
+        L = tl.where(offs_p[None, :] == tpos[:, None], float("-inf"), L)
+        has_t = (tpos >= lo) & (tpos < lo + BLOCK_V)
+    mx = tl.max(L, axis=1)
+    # m is finite after the first tile (every launch's split starts with a column < V) or from
+    # the start (HAS_INIT), hence exp(m - m_new) never sees -inf - -inf.
+    m_new = tl.maximum(m, mx)
+    if STATS:
+        m_new = tl.where(has_t, tl.maximum(m_new, zt), m_new)
+    pe = _exp(L - m_new[:, None])  # [BLOCK_N, BLOCK_V], 0 at masked (and target) columns
+    snt = tl.sum(pe, axis=1)
+    s = s * _exp(m - m_new) + snt
+    if STATS:
+        s += tl.where(has_t, _exp(zt - m_new), 0.0)
+        if not HAS_INIT:
+            ref = m_new + tl.log(s)  # the head launch walks this one tile only
+        if HAS_SOFTCAP:
+            snt = tl.sum(pe * (1.0 - th * th), axis=1)
+        st = tl.log(snt) + (m_new - ref)  # -inf where the tile holds no mass
+        u = mx - ref - log_eps
+        code = tl.minimum(tl.maximum(tl.ceil(u * 8.0), -1.0), 127.0)
+        # (tile + 0 * offs_n): a vector mask (the interpreter rejects scalar ones here).
+        smask = row_mask & ((tile + 0 * offs_n) < n_vtiles)
+        sptr = offs_n.to(tl.int64) * stride_st + tile
+        tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
+        tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
+    return m_new, s, ssum, ref
+
+
+@triton.jit
+def _fwd_kernel(
+    E, C, Bias, W, Erow, TPos, Zt, NValid, Perm, M0,
+    Mx, Se, Ss, St, Sq,
+    N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tile_hi, tiles_per_split,
+    desc_tile0, softcap, log_eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per (token block, vocabulary split): running max, sum of exp, target logit, weighted logit sum.
+    """Per (token block, vocabulary split): running max, sum of exp, weighted logit sum.
 
-    The split covers tiles [tile_lo + pid_s * tiles_per_split, ... + tiles_per_split) of the
-    vocabulary, read through ``Perm`` (position -> id) if SORTED; TPos holds each row's target
-    position in that order (its id when not SORTED). HAS_INIT starts the running
-    reference at M0 (the head tile's log-sum-exp: a lower bound of every row's lse), else at -inf.
+    The split covers tiles [tile_lo + pid_s * tiles_per_split, ...), at most tiles_per_split of
+    them and none at or past tile_hi, of the vocabulary read through ``Perm`` (position -> id) if
+    SORTED; TPos holds each row's target position in that order (STATS only) and Zt its logit.
+    HAS_INIT starts the running reference at M0 (the head tile's log-sum-exp: a lower bound of
+    every row's lse), else at -inf.
+
+    TMA: E and C are tensor descriptors (Hopper's bulk tensor copies) of the gathered rows (row
+    i of E = sorted row i) and of the vocabulary in walking order from tile ``desc_tile0`` on;
+    one loop runs over all (tile, D chunk) steps, so that the software pipeline already loads
+    the next tile while the last one's epilogue runs. Otherwise plain loads through Erow / Perm.
 
     STATS (training forward; see linear_ce_backward_sparse) also writes, per row and tile j, with
     ref = M0 (HAS_INIT) or, in the one-tile head launch, the tile's own log-sum-exp (= M0):
@@ -128,76 +237,61 @@ def _fwd_kernel(
         return  # only ignored rows left: no work
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
-    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
-    tpos = tl.load(TPos + offs_n, mask=row_mask, other=-1)
+    if STATS:
+        tpos = tl.load(TPos + offs_n, mask=row_mask, other=-1)
+        zt = tl.load(Zt + offs_n, mask=row_mask, other=0.0)
+    else:
+        tpos = offs_n
+        zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_INIT:
         m = tl.load(M0 + offs_n, mask=row_mask, other=0.0)
     else:
         m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     ref = m
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    t_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     t0 = tile_lo + pid_s * tiles_per_split
-    for it in range(0, tiles_per_split):
-        tile = t0 + it
-        offs_p = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_mask = offs_p < V
-        if SORTED:
-            vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
-        else:
-            vid = offs_p.to(tl.int64)
-        L = _logit_tile(
-            E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
-            BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
-        )  # fmt: skip  # [BLOCK_N, BLOCK_V]
-        if HAS_BIAS:
-            b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
-            L += b[None, :]  # once per tile, after the whole D loop
-        if HAS_SOFTCAP:
-            th = _tanh(L / softcap)
-            L = softcap * th
-        # Target and non-target entries apart (tpos: the target's position in the walking
-        # order): the non-target max and mass are the tile statistics, and splitting them costs
-        # no pass over the tile beyond the plain online softmax.
-        is_t = (offs_p[None, :] == tpos[:, None]) & col_mask[None, :]
-        has_t = (tpos >= tile * BLOCK_V) & (tpos < tile * BLOCK_V + BLOCK_V) & (tpos < V)
-        zt = tl.sum(tl.where(is_t, L, 0.0), axis=1)  # the target logit where has_t, else 0
-        t_logit += zt
-        if HAS_SMOOTH:
-            if HAS_WEIGHT:
-                w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
-                ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0) * w[None, :], axis=1)
+    t1 = tl.minimum(t0 + tiles_per_split, tile_hi)
+    if TMA:
+        k_tiles = tl.cdiv(D, BLOCK_D)
+        ki = -1
+        tile = t0 - 1
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for _ in range(0, (t1 - t0) * k_tiles):
+            ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+            if ki == 0:
+                tile += 1
+            a = E.load([start, ki * BLOCK_D])  # [BLOCK_N, BLOCK_D]; zeros past N and D
+            b = C.load([(tile - desc_tile0) * BLOCK_V, ki * BLOCK_D])  # [BLOCK_V, BLOCK_D]
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            if ki == k_tiles - 1:
+                m, s, ssum, ref = _fwd_tile(
+                    acc, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
+                    tpos, V, n_vtiles, stride_st, softcap, log_eps,
+                    HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, BLOCK_V,
+                )  # fmt: skip
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    else:
+        erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+        for tile in range(t0, t1):
+            offs_p = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_mask = offs_p < V
+            if SORTED:
+                vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
             else:
-                ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
-        Lnt = tl.where(col_mask[None, :] & (offs_p[None, :] != tpos[:, None]), L, float("-inf"))
-        mnt = tl.max(Lnt, axis=1)
-        # m is finite after the first tile (every split's first tile has a column < V: the
-        # launcher sizes the splits so) or from the start (HAS_INIT), hence exp(m - m_new)
-        # never sees -inf - -inf.
-        m_new = tl.maximum(m, mnt)
-        m_new = tl.where(has_t, tl.maximum(m_new, zt), m_new)
-        pe = tl.exp(Lnt - m_new[:, None])  # [BLOCK_N, BLOCK_V], 0 at masked / target columns
-        snt = tl.sum(pe, axis=1)
-        s = s * tl.exp(m - m_new) + snt + tl.where(has_t, tl.exp(zt - m_new), 0.0)
-        if STATS:
-            if not HAS_INIT:
-                ref = m_new + tl.log(s)  # the head launch walks this one tile only
-            if HAS_SOFTCAP:
-                snt = tl.sum(pe * (1.0 - th * th), axis=1)
-            st = tl.log(snt) + (m_new - ref)  # -inf where the tile holds no mass
-            u = mnt - ref - log_eps
-            code = tl.minimum(tl.maximum(tl.ceil(u * 8.0), -1.0), 127.0)
-            # (tile + 0 * offs_n): a vector mask (the interpreter rejects scalar ones here).
-            smask = row_mask & ((tile + 0 * offs_n) < n_vtiles)
-            sptr = offs_n.to(tl.int64) * stride_st + tile
-            tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
-            tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
-        m = m_new
+                vid = offs_p.to(tl.int64)
+            L = _logit_tile(
+                E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
+                BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            )  # fmt: skip  # [BLOCK_N, BLOCK_V]
+            m, s, ssum, ref = _fwd_tile(
+                L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
+                tpos, V, n_vtiles, stride_st, softcap, log_eps,
+                HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, BLOCK_V,
+            )  # fmt: skip
     out = pid_s * stride_part + offs_n
     tl.store(Mx + out, m, mask=row_mask)
     tl.store(Se + out, s, mask=row_mask)
-    tl.store(Tl + out, t_logit, mask=row_mask)
     if HAS_SMOOTH:
         tl.store(Ss + out, ssum, mask=row_mask)
 
@@ -241,8 +335,15 @@ def _n_sm(device: torch.device) -> int:
 
 # Forward programs (token block x vocabulary split) per SM: each runs one tile at a time, so the
 # last wave idles (1 - fraction of a wave) of the SMs; more, shorter programs shrink that tail at
-# the cost of more partial statistics to merge (O(N) each).
+# the cost of more partial statistics to merge (O(N) each). The TMA kernel measured best at 16
+# (H100, gemma2-2b shape: 1.01x the matmul floor against 1.03x at 8).
 FWD_PROGRAMS_PER_SM = 8
+FWD_PROGRAMS_PER_SM_TMA = 16
+
+# Sorted walks with TMA copy the vocabulary rows of each slab of tiles, in walking order, into
+# a buffer of about this size (Hopper has no gathering tensor copy): a transient of the forward
+# only, at ~0.07x of the matmul's time for the whole vocabulary.
+FWD_SLAB_BYTES = 64 << 20
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -259,6 +360,32 @@ def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
     return cfg.BLOCK_N, cfg.BLOCK_V
 
 
+def _tensor_descriptor():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # a triton without host-side tensor descriptors
+        return None
+    return TensorDescriptor
+
+
+def _tma_rows_ok(t: torch.Tensor) -> bool:
+    """A 2-D operand that a tensor descriptor can read in place (16-byte aligned rows)."""
+    es = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def use_tma(e2d: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether the forward reads its tiles by tensor descriptors: Hopper or newer, 16-bit
+    operands, rows of a multiple of 16 bytes (TMA's alignment), a triton that has them."""
+    if _interpreting() or e2d.device.type != "cuda" or _tensor_descriptor() is None:
+        return False
+    if e2d.dtype not in (torch.bfloat16, torch.float16) or c.dtype != e2d.dtype:
+        return False
+    if (c.shape[1] * c.element_size()) % 16 != 0:
+        return False
+    return torch.cuda.get_device_capability(e2d.device)[0] >= 9
+
+
 def linear_ce_forward(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -273,6 +400,8 @@ def linear_ce_forward(
     perm: torch.Tensor | None = None,
     eps: float = 0.0,
     programs_per_sm: int | None = None,
+    tma: bool | None = None,
+    slab_bytes: int | None = None,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
@@ -281,36 +410,64 @@ def linear_ce_forward(
 
     ``perm`` (vocabulary ids in walking order, most probable classes first) and ``eps`` (the
     filter threshold) turn on the tile statistics: one launch over the first (head) tile gives
-    every row's log-sum-exp there, M0, the reference of the statistics; the second launch walks
+    every row's log-sum-exp there, M0, the reference of the statistics; the next launches walk
     the other tiles with the online softmax started at M0.
+
+    ``tma`` (default: ``use_tma``) reads tiles by tensor descriptors: the rows ``e2d[erow]`` are
+    gathered once into an [N, D] buffer, and a sorted vocabulary is walked in slabs of about
+    ``slab_bytes`` (default FWD_SLAB_BYTES) whose rows are gathered into a buffer first.
     """
     _check(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
     cfg = config or _config(e2d.dtype, "fwd")
-    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
-    n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    n_blocks = triton.cdiv(N, BN)
+    n_vtiles = triton.cdiv(V, BV)
     stats = perm is not None
+    tma = use_tma(e2d, c) if tma is None else tma
+    TD = _tensor_descriptor() if tma else None
+    if tma and TD is None:
+        raise ValueError("tma=True needs triton.tools.tensor_descriptor")
+    if tma and (D * e2d.element_size()) % 16 != 0:
+        raise ValueError(f"tma=True needs rows of a multiple of 16 bytes, got D = {D}")
+    pps = programs_per_sm or (FWD_PROGRAMS_PER_SM_TMA if tma else FWD_PROGRAMS_PER_SM)
+    max_splits = max(1, triton.cdiv(pps * _n_sm(dev), max(n_blocks, 1)))
     head = 1 if stats else 0
-    rest = n_vtiles - head
-    splits = 0
-    tiles_per_split = 1
-    if rest > 0:
-        # Enough (token block, split) programs for FWD_PROGRAMS_PER_SM per SM, so that the last
-        # wave is short.
-        pps = FWD_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-        splits = max(1, min(rest, triton.cdiv(pps * _n_sm(dev), max(n_blocks, 1))))
-        tiles_per_split = triton.cdiv(rest, splits)
-        splits = triton.cdiv(rest, tiles_per_split)  # every split starts below V
-    parts = head + splits
+
+    # The launches: (tile_lo, tile_hi, slab) with the slab the tiles' descriptor range (TMA).
+    if tma and (stats or not _tma_rows_ok(c)):
+        slab_tiles = max(1, (slab_bytes or FWD_SLAB_BYTES) // (BV * D * c.element_size()))
+        slabs = [(lo, min(lo + slab_tiles, n_vtiles)) for lo in range(0, n_vtiles, slab_tiles)]
+    else:
+        slabs = [(0, n_vtiles)]
+    plan = []  # (tile_lo, tile_hi, tiles_per_split, splits, slab index)
+    for k, (lo, hi) in enumerate(slabs):
+        lo_ = max(lo, head)
+        if hi > lo_:
+            splits = min(hi - lo_, max_splits)
+            tps = triton.cdiv(hi - lo_, splits)
+            plan.append((lo_, hi, tps, triton.cdiv(hi - lo_, tps), k))
+    parts = head + sum(p[3] for p in plan)
+
     f32 = torch.float32
     tpos = tgt
     if stats:
         tpos = inverse_permutation(perm).index_select(0, tgt)
     Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
     Se = torch.zeros((parts, N), dtype=f32, device=dev)
-    Tl = torch.zeros((parts, N), dtype=f32, device=dev)
+    # The target logits first, by a kernel of their own (N x D reads): the tile epilogue then
+    # needs no per-entry target extraction.
+    zt = torch.empty(N, dtype=f32, device=dev)
+    if N > 0:
+        ZB = 32
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            _target_logit_kernel[(triton.cdiv(N, ZB),)](
+                e2d, c, bias if bias is not None else e2d, erow, tgt, n_valid, zt, N, D,
+                e2d.stride(0), c.stride(0), float(softcap),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, BLOCK_N=ZB, BLOCK_D=128,
+            )  # fmt: skip
     Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else Se
     St = Sq = None
     if stats:
@@ -319,31 +476,62 @@ def linear_ce_forward(
         St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev)
         Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev)
 
-    def launch(grid, part0, tile_lo, tps, m0):
+    e_arg = e2d
+    c_buf = None
+    if tma and N > 0:
+        e_arg = TD.from_tensor(e2d.index_select(0, erow), [BN, cfg.BLOCK_D])
+        if len(slabs) > 1 or stats or not _tma_rows_ok(c):
+            c_buf = torch.empty((min(V, slabs[0][1] * BV), D), dtype=c.dtype, device=dev)
+    c_args: dict[int, tuple] = {}
+
+    def c_arg(k):
+        # (C argument, first tile it holds) for slab k: the gathered rows of its tiles (TMA).
+        if not tma:
+            return c, 0
+        if k not in c_args:
+            c_args.clear()
+            if c_buf is None:
+                c_args[k] = (TD.from_tensor(c, [BV, cfg.BLOCK_D]), 0)
+            else:
+                lo, hi = slabs[k]
+                rows = perm[lo * BV : min(hi * BV, V)] if stats else None
+                n = min(hi * BV, V) - lo * BV
+                buf = c_buf[:n]
+                if rows is not None:
+                    torch.index_select(c, 0, rows, out=buf)
+                else:
+                    buf.copy_(c[lo * BV : lo * BV + n])
+                c_args[k] = (TD.from_tensor(buf, [BV, cfg.BLOCK_D]), lo)
+        return c_args[k]
+
+    def launch(grid, part0, tile_lo, tile_hi, tps, m0, k):
+        c_desc, tile0 = c_arg(k)
         _fwd_kernel[grid](
-            e2d, c, bias if bias is not None else e2d, weight if weight is not None else e2d,
-            erow, tpos, n_valid, perm if stats else erow, m0 if m0 is not None else Mx,
-            Mx[part0:], Se[part0:], Tl[part0:], Ss[part0:],
+            e_arg, c_desc, bias if bias is not None else e2d, weight if weight is not None else e2d,
+            erow, tpos, zt, n_valid, perm if stats else erow, m0 if m0 is not None else Mx,
+            Mx[part0:], Se[part0:], Ss[part0:],
             St if stats else Mx, Sq if stats else Mx,
-            N, V, D, e2d.stride(0), c.stride(0), N, n_vtiles, n_vtiles, tile_lo, tps, float(softcap),
-            math.log(eps) if stats else 0.0,
+            N, V, D, e2d.stride(0), c.stride(0), N, n_vtiles, n_vtiles, tile_lo, tile_hi, tps, tile0,
+            float(softcap), math.log(eps) if stats else 0.0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smoothing,
             HAS_WEIGHT=weight is not None, SORTED=stats, STATS=stats, HAS_INIT=m0 is not None,
-            BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+            TMA=tma, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D,
             PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
 
     ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     m0 = None
-    if stats:
+    with ctx:
+        if stats:
+            if N > 0:
+                launch((n_blocks, 1), 0, 0, 1, 1, None, 0)
+            # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read by the kernel).
+            m0 = Mx[0] + torch.log(Se[0])
+        part = head
         if N > 0:
-            with ctx:
-                launch((n_blocks, 1), 0, 0, 1, None)
-        # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read by the kernel).
-        m0 = Mx[0] + torch.log(Se[0])
-    if N > 0 and splits:
-        with ctx:
-            launch((n_blocks, splits), head, head, tiles_per_split, m0)
+            for lo, hi, tps, splits, k in plan:
+                launch((n_blocks, splits), part, lo, hi, tps, m0, k)
+                part += splits
     # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
     # m = -inf, S = 0 everywhere and are zeroed through `done`.
     M = Mx.max(0).values
@@ -351,7 +539,7 @@ def linear_ce_forward(
     Mz = torch.where(done, M, 0.0)
     S = (Se * torch.exp(Mx - Mz)).sum(0)
     lse = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
-    tl_ = torch.where(done, Tl.sum(0), 0.0)
+    tl_ = torch.where(done, zt, 0.0)
     ss = torch.where(done, Ss.sum(0), 0.0) if smoothing else None
     if m0 is not None:
         m0 = torch.where(torch.isfinite(m0), m0, 0.0)
