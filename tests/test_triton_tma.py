@@ -113,3 +113,42 @@ def test_tma_rejects_unaligned_rows():
         _run(e, c, t, True)
     assert not K.use_tma(e, c)  # and the automatic choice never picks it
     assert math.isfinite(float(_run(e, c, t, False)[0].lse.sum()))
+
+
+EXACT_CASES = [
+    dict(),
+    dict(bias=True),
+    dict(softcap=2.0, smoothing=True),  # smoothing folded into dZ (softcap)
+    dict(softcap=2.0, smoothing=True, weight=True),
+    dict(slab_bytes=1),  # one tile per slab
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
+def test_tma_exact_slabs_match_plain_kernel(case, dtype):
+    """The exact backward's dZ slabs by _dz_slab_kernel (tma=True) against _bwd_kernel's STORE_DZ
+    tiles (tma=False): the same dZ formula on logits accumulated over the same D chunks, so dE /
+    dC agree to the rounding of dZ to the operand dtype (fp16: the scaled tile, 2^-11 relative,
+    where both paths may round a tie differently) plus fp32 summation order."""
+    N, D, V = 37, 40, 203
+    e, c, t = _inputs(N, D, V, dtype, seed=21)
+    g = torch.Generator().manual_seed(8)
+    r = _Rows(t, None, -100)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    fwd = K.linear_ce_forward(e, c, None, None, r.erow_s, srt(r.safe_t), r.n_valid, 0.0, False)
+    bias = (0.5 * torch.randn(V, generator=g)).to(DEV) if case.get("bias") else None
+    weight = torch.rand(V, generator=g).to(DEV) if case.get("weight") else None
+    alpha = (torch.rand(N, generator=g) / N).to(DEV)
+    beta = (torch.rand(N, generator=g) / N).to(DEV)
+    gamma = (0.1 * torch.rand(N, generator=g) / N).to(DEV) if case.get("smoothing") else None
+    args = (e, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, fwd.lse, alpha, beta, gamma)
+    kw = dict(softcap=case.get("softcap", 0.0), need_de=True, need_dc=True, need_dbias=False)
+    sb = case.get("slab_bytes")
+    a = K.linear_ce_backward_slabs(*args, **kw, tma=True, slab_bytes=sb)
+    b = K.linear_ce_backward_slabs(*args, **kw, tma=False, slab_bytes=sb)
+    tol = 2e-6 if dtype == torch.float32 else 2.0**-10
+    for x, y in ((a.dE, b.dE), (a.dC, b.dC)):
+        x, y = x.float(), y.float()
+        assert torch.isfinite(x).all()
+        assert (x - y).norm() <= tol * y.norm(), ((x - y).norm() / y.norm()).item()

@@ -800,6 +800,87 @@ def _add_target_lo(e2d, c, erow, tgt, lo, dE, dC, chunk: int = 8192) -> None:
             dC.index_add_(0, ts, ls * e2d.index_select(0, es).float())
 
 
+@triton.jit
+def _dz_slab_kernel(
+    E, C, Bias, W, Tgt, NValid, Lse, Alpha, Beta, Gamma, DZ, InvScale, TLo,
+    N, V, D, stride_dz, tile0, tile_hi, tiles_per_split, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The exact path's dZ slab by tensor descriptors (Hopper): _bwd_kernel's STORE_DZ tile
+    (same dZ, same fp16 scale, same target remainder TLo) for unsorted vocabularies, each program
+    walking tiles [tile0 + pid_s * tiles_per_split, ...) of the slab (< tile_hi) for one token
+    block in one flat (tile, D chunk) loop, as _fwd_kernel does. E: descriptor of the gathered
+    rows (row i = sorted row i), C: descriptor of c; DZ column 0 is tile0's first class.
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return  # rows past n_valid stay as zeroed by the launcher
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    beta = tl.load(Beta + offs_n, mask=row_mask, other=0.0)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
+    if FOLD_SMOOTH:
+        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
+    if SCALE_DZ:
+        inv = tl.load(InvScale)
+    t0 = tile0 + pid_s * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, tile_hi)
+    k_tiles = tl.cdiv(D, BLOCK_D)
+    ki = -1
+    tile = t0 - 1
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for _ in range(0, (t1 - t0) * k_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            tile += 1
+        a = E.load([start, ki * BLOCK_D])  # [BLOCK_N, BLOCK_D]
+        b = C.load([tile * BLOCK_V, ki * BLOCK_D])  # [BLOCK_V, BLOCK_D]
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        if ki == k_tiles - 1:
+            lo = tile * BLOCK_V
+            offs_p = lo + tl.arange(0, BLOCK_V)
+            col_mask = offs_p < V
+            L = acc
+            if HAS_BIAS:
+                L += tl.load(Bias + offs_p, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_SOFTCAP:
+                th = _tanh(L / softcap)
+                L = softcap * th
+            is_t = offs_p[None, :] == tgt[:, None]
+            dz = alpha[:, None] * _exp(L - lse[:, None]) - tl.where(is_t, beta[:, None], 0.0)
+            if FOLD_SMOOTH:
+                if HAS_WEIGHT:
+                    w = tl.load(W + offs_p, mask=col_mask, other=0.0).to(tl.float32)
+                else:
+                    w = tl.where(col_mask, 1.0, 0.0)
+                dz -= gamma[:, None] * w[None, :]
+            if HAS_SOFTCAP:
+                dz *= 1.0 - th * th
+            dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)  # [BLOCK_N, BLOCK_V]
+            if SCALE_DZ:
+                dzr = (dz * inv).to(DZ.dtype.element_ty)
+            else:
+                dzr = dz.to(DZ.dtype.element_ty)
+            if TARGET_LO:
+                if SCALE_DZ:
+                    back = dzr.to(tl.float32) / inv
+                else:
+                    back = dzr.to(tl.float32)
+                rem = tl.sum(tl.where(is_t, dz - back, 0.0), axis=1)
+                row_t = (tgt >= lo) & (tgt < lo + BLOCK_V)
+                tl.store(TLo + offs_n, rem, mask=row_mask & row_t)
+            dz_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + (offs_p - tile0 * BLOCK_V)[None, :]
+            tl.store(dz_ptr, dzr, mask=(offs_n < N)[:, None] & col_mask[None, :])
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+
+
 # Bytes of the exact path's dZ slab ([N, slab] in the operand dtype).
 DZ_SLAB_BYTES = 256 << 20
 
@@ -841,6 +922,7 @@ def linear_ce_backward_slabs(
     record_skip: bool = False,
     slab_bytes: int | None = None,
     config: KernelConfig | None = None,
+    tma: bool | None = None,
 ) -> DenseOut:
     """Backward through vocabulary slabs: dC by cuBLAS, never by atomics.
 
@@ -857,12 +939,19 @@ def linear_ce_backward_slabs(
     ``dc_rank1 = (w, ge)`` subtracts w (outer) ge from dC (the smoothing term without softcap,
     which the filtered path keeps out of the tiles) before the rounding. Extra memory: the slab
     (<= slab_bytes) and the sorted rows of e.
+
+    ``tma`` (default: ``use_tma``, exact path with the vocabulary in id order and no bias
+    gradient only) forms the slabs by _dz_slab_kernel, with the forward's tiles.
     """
     _check(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma, perm)
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
-    cfg = config or _config(e2d.dtype, "bwd")
+    simple = eps == 0 and perm is None and not need_dbias and _tma_rows_ok(c)
+    tma = (simple and use_tma(e2d, c)) if tma is None else tma
+    if tma and not simple:
+        raise ValueError("tma=True: exact path, vocabulary in id order, no bias gradient only")
+    cfg = config or _config(e2d.dtype, "fwd" if tma else "bwd")
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
     n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
     f32 = torch.float32
@@ -891,7 +980,12 @@ def linear_ce_backward_slabs(
     if e2d.dtype == torch.float16:
         scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
         inv = (1.0 / scale).contiguous()
-    E_s = e2d.index_select(0, erow) if need_dc else None
+    E_s = e2d.index_select(0, erow) if (need_dc or tma) else None
+    if tma:
+        TD = _tensor_descriptor()
+        e_desc = TD.from_tensor(E_s, [cfg.BLOCK_N, cfg.BLOCK_D])
+        c_desc = TD.from_tensor(c, [cfg.BLOCK_V, cfg.BLOCK_D])
+        max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * _n_sm(dev), n_blocks))
     # The target entry's rounding remainder goes back into the fp32 dE (dC is rounded once).
     lo = torch.zeros(N, dtype=f32, device=dev) if (e2d.dtype != f32 and need_de) else None
     dummy = alpha
@@ -899,21 +993,35 @@ def linear_ce_backward_slabs(
         nt = min(slab_tiles, n_vtiles - t0)
         v0, v1 = t0 * cfg.BLOCK_V, min(V, (t0 + nt) * cfg.BLOCK_V)
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            _bwd_kernel[(n_blocks, nt)](
-                e2d, c, bias if bias is not None else dummy, weight if weight is not None else dummy,
-                erow, tgt, perm if perm is not None else erow, n_valid, lse, alpha, beta,
-                gamma if gamma is not None else dummy,
-                dE if (filt and dE is not None) else dummy, dummy, db if db is not None else dummy,
-                R if R is not None else dummy, dummy, skip if skip is not None else dummy, DZ, inv,
-                lo if lo is not None else dummy,
-                N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), float(eps), t0, slab,
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
-                HAS_WEIGHT=weight is not None, SORTED=perm is not None, FILTER=filt,
-                WRITE_SKIP=skip is not None, SCALE_DZ=scale is not None, STORE_DZ=True,
-                TARGET_LO=lo is not None, NEED_DE=filt and need_de, NEED_DC=False, NEED_DBIAS=need_dbias,
-                BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
-                PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
+            if tma:
+                splits = min(nt, max_splits)
+                tps = triton.cdiv(nt, splits)
+                _dz_slab_kernel[(n_blocks, triton.cdiv(nt, tps))](
+                    e_desc, c_desc, bias if bias is not None else dummy,
+                    weight if weight is not None else dummy, tgt, n_valid, lse, alpha, beta,
+                    gamma if gamma is not None else dummy, DZ, inv, lo if lo is not None else dummy,
+                    N, V, D, slab, t0, t0 + nt, tps, float(softcap),
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
+                    HAS_WEIGHT=weight is not None, SCALE_DZ=scale is not None, TARGET_LO=lo is not None,
+                    BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+                    PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )  # fmt: skip
+            else:
+                _bwd_kernel[(n_blocks, nt)](
+                    e2d, c, bias if bias is not None else dummy, weight if weight is not None else dummy,
+                    erow, tgt, perm if perm is not None else erow, n_valid, lse, alpha, beta,
+                    gamma if gamma is not None else dummy,
+                    dE if (filt and dE is not None) else dummy, dummy, db if db is not None else dummy,
+                    R if R is not None else dummy, dummy, skip if skip is not None else dummy, DZ, inv,
+                    lo if lo is not None else dummy,
+                    N, V, D, e2d.stride(0), c.stride(0), D, D, n_vtiles, float(softcap), float(eps), t0, slab,
+                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
+                    HAS_WEIGHT=weight is not None, SORTED=perm is not None, FILTER=filt,
+                    WRITE_SKIP=skip is not None, SCALE_DZ=scale is not None, STORE_DZ=True,
+                    TARGET_LO=lo is not None, NEED_DE=filt and need_de, NEED_DC=False, NEED_DBIAS=need_dbias,
+                    BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+                    PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )  # fmt: skip
         dz = DZ[:, : v1 - v0]
         ids = None if perm is None else perm[v0:v1]
         if dE is not None and not filt:
