@@ -29,6 +29,10 @@ from cce.triton_impl import _Rows  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _ids(case):
+    return "-".join(f"{k}={v}" for k, v in case.items()) or "plain"
+
+
 def _inputs(N, D, V, dtype, seed, ignore_every=5):
     g = torch.Generator().manual_seed(seed)
     e = (torch.randn(N, D, generator=g) / D**0.25).to(dtype)
@@ -42,7 +46,9 @@ def _inputs(N, D, V, dtype, seed, ignore_every=5):
 def _run(e, c, t, tma, *, stats=False, bias=None, weight=None, softcap=0.0, slab_bytes=None, seed=0):
     r = _Rows(t, None, -100)
     ts = r.safe_t.index_select(0, r.perm)
-    perm = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(seed)).to(DEV) if stats else None
+    perm = None
+    if stats:
+        perm = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(seed)).to(DEV)
     out = K.linear_ce_forward(
         e, c, bias, weight, r.erow_s, ts, r.n_valid, softcap, weight is not None,
         perm=perm, eps=1e-3 if stats else 0.0, tma=tma, slab_bytes=slab_bytes,
@@ -62,7 +68,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
+@pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_tma_path_matches_plain_loads(case, dtype):
     N, D, V = 37, 40, 203  # V: 6 full tiles of 32 and a short one; D: one full chunk and a partial
     e, c, t = _inputs(N, D, V, dtype, seed=11)
@@ -125,7 +131,7 @@ EXACT_CASES = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "plain")
+@pytest.mark.parametrize("case", EXACT_CASES, ids=_ids)
 def test_tma_exact_slabs_match_plain_kernel(case, dtype):
     """The exact backward's dZ slabs by _dz_slab_kernel (tma=True) against _bwd_kernel's STORE_DZ
     tiles (tma=False): the same dZ formula on logits accumulated over the same D chunks, so dE /

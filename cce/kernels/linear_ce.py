@@ -1026,7 +1026,12 @@ def linear_ce_backward_slabs(
         ids = None if perm is None else perm[v0:v1]
         if dE is not None and not filt:
             c_slab = c[v0:v1] if ids is None else c.index_select(0, ids)
-            dE += _mm_f32(dz, c_slab, scale)
+            if scale is None and dz.is_cuda and dz.dtype != f32:
+                # Accumulated by the GEMM itself (beta = 1, fp32 output): no fp32 [N, D]
+                # temporary per slab to write, read back and add.
+                torch.addmm(dE, dz, c_slab, out_dtype=f32, out=dE)
+            else:
+                dE += _mm_f32(dz, c_slab, scale)
         if dC is not None:
             if scale is None and dc_rank1 is None and c.dtype != f32 and dev.type == "cuda":
                 # fp32 accumulation inside the GEMM, one rounding to c's dtype, no fp32 temporary.
