@@ -12,6 +12,10 @@ Vocabulary order (backward only). With filtering on, the backward walks the voca
 permutation ``perm`` (ids sorted by mean logit) so that the tiles whose probabilities are all
 below ``eps`` cluster and can be skipped; see docs/design.md.
 
+Tile loads. On Hopper (``use_tma``) the forward and the exact backward's dZ slabs read their
+tiles through tensor descriptors from gathered copies (the valid-first rows of e; a sorted
+vocabulary slab by slab); elsewhere, and under the interpreter unless forced, through pointers.
+
 Offsets: row and vocabulary indices are promoted to int64 before they are multiplied by a stride,
 so N * V and V * D past 2^31 (N = 16384, V = 256000) address correctly.
 """
