@@ -440,78 +440,57 @@ def linear_ce_forward(
     max_splits = max(1, triton.cdiv(pps * _n_sm(dev), max(n_blocks, 1)))
     head = 1 if stats else 0
 
-    # The launches: (tile_lo, tile_hi, slab) with the slab the tiles' descriptor range (TMA).
+    # Slabs of tiles [lo, hi), each one descriptor range of gathered rows (TMA, sorted or unaligned c).
     if tma and (stats or not _tma_rows_ok(c)):
         slab_tiles = max(1, (slab_bytes or FWD_SLAB_BYTES) // (BV * D * c.element_size()))
         slabs = [(lo, min(lo + slab_tiles, n_vtiles)) for lo in range(0, n_vtiles, slab_tiles)]
     else:
         slabs = [(0, n_vtiles)]
-    plan = []  # (tile_lo, tile_hi, tiles_per_split, splits, slab index)
-    for k, (lo, hi) in enumerate(slabs):
-        lo_ = max(lo, head)
-        if hi > lo_:
-            splits = min(hi - lo_, max_splits)
-            tps = triton.cdiv(hi - lo_, splits)
-            plan.append((lo_, hi, tps, triton.cdiv(hi - lo_, tps), k))
-    parts = head + sum(p[3] for p in plan)
+
+    def split(lo: int, hi: int) -> tuple[int, int]:
+        # (tiles per split, splits) of a launch over tiles [lo, hi)
+        tps = triton.cdiv(hi - lo, min(hi - lo, max_splits))
+        return tps, triton.cdiv(hi - lo, tps)
+
+    parts = head + sum(split(max(lo, head), hi)[1] for lo, hi in slabs if hi > max(lo, head))
 
     f32 = torch.float32
     tpos = tgt
     if stats:
+        if not eps > 0:
+            raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
         tpos = inverse_permutation(perm).index_select(0, tgt)
     Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
     Se = torch.zeros((parts, N), dtype=f32, device=dev)
-    # The target logits first, by a kernel of their own (N x D reads): the tile epilogue then
-    # needs no per-entry target extraction.
-    zt = torch.empty(N, dtype=f32, device=dev)
-    if N > 0:
-        ZB = 32
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            _target_logit_kernel[(triton.cdiv(N, ZB),)](
-                e2d, c, bias if bias is not None else e2d, erow, tgt, n_valid, zt, N, D,
-                e2d.stride(0), c.stride(0), float(softcap),
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, BLOCK_N=ZB, BLOCK_D=128,
-            )  # fmt: skip
     Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else Se
-    St = Sq = None
-    if stats:
-        if not eps > 0:
-            raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
-        St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev)
-        Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev)
-
+    zt = torch.empty(N, dtype=f32, device=dev)
+    St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev) if stats else None
+    Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev) if stats else None
     e_arg = e2d
     c_buf = None
     if tma and N > 0:
         e_arg = TD.from_tensor(e2d.index_select(0, erow), [BN, cfg.BLOCK_D])
         if len(slabs) > 1 or stats or not _tma_rows_ok(c):
             c_buf = torch.empty((min(V, slabs[0][1] * BV), D), dtype=c.dtype, device=dev)
-    c_args: dict[int, tuple] = {}
 
-    def c_arg(k):
-        # (C argument, first tile it holds) for slab k: the gathered rows of its tiles (TMA).
+    def slab_operand(lo: int, hi: int):
+        # (C argument, first tile it holds) for the slab of tiles [lo, hi): with TMA a
+        # descriptor of c itself or of the slab's rows gathered into c_buf.
         if not tma:
             return c, 0
-        if k not in c_args:
-            c_args.clear()
-            if c_buf is None:
-                c_args[k] = (TD.from_tensor(c, [BV, cfg.BLOCK_D]), 0)
-            else:
-                lo, hi = slabs[k]
-                rows = perm[lo * BV : min(hi * BV, V)] if stats else None
-                n = min(hi * BV, V) - lo * BV
-                buf = c_buf[:n]
-                if rows is not None:
-                    torch.index_select(c, 0, rows, out=buf)
-                else:
-                    buf.copy_(c[lo * BV : lo * BV + n])
-                c_args[k] = (TD.from_tensor(buf, [BV, cfg.BLOCK_D]), lo)
-        return c_args[k]
+        if c_buf is None:
+            return TD.from_tensor(c, [BV, cfg.BLOCK_D]), 0
+        v0, v1 = lo * BV, min(hi * BV, V)
+        buf = c_buf[: v1 - v0]
+        if stats:
+            torch.index_select(c, 0, perm[v0:v1], out=buf)
+        else:
+            buf.copy_(c[v0:v1])
+        return TD.from_tensor(buf, [BV, cfg.BLOCK_D]), lo
 
-    def launch(grid, part0, tile_lo, tile_hi, tps, m0, k):
-        c_desc, tile0 = c_arg(k)
+    def launch(c_arg, tile0, grid, part0, tile_lo, tile_hi, tps, m0):
         _fwd_kernel[grid](
-            e_arg, c_desc, bias if bias is not None else e2d, weight if weight is not None else e2d,
+            e_arg, c_arg, bias if bias is not None else e2d, weight if weight is not None else e2d,
             erow, tpos, zt, n_valid, perm if stats else erow, m0 if m0 is not None else Mx,
             Mx[part0:], Se[part0:], Ss[part0:],
             St if stats else Mx, Sq if stats else Mx,
@@ -526,16 +505,29 @@ def linear_ce_forward(
     ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
     m0 = None
     with ctx:
-        if stats:
-            if N > 0:
-                launch((n_blocks, 1), 0, 0, 1, 1, None, 0)
-            # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read by the kernel).
-            m0 = Mx[0] + torch.log(Se[0])
-        part = head
         if N > 0:
-            for lo, hi, tps, splits, k in plan:
-                launch((n_blocks, splits), part, lo, hi, tps, m0, k)
+            # The target logits first, by a kernel of their own (N x D reads): the tile epilogue
+            # then needs no per-entry target extraction.
+            ZB = 32
+            _target_logit_kernel[(triton.cdiv(N, ZB),)](
+                e2d, c, bias if bias is not None else e2d, erow, tgt, n_valid, zt, N, D,
+                e2d.stride(0), c.stride(0), float(softcap),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, BLOCK_N=ZB, BLOCK_D=128,
+            )  # fmt: skip
+        part = head
+        for lo, hi in slabs if N > 0 else ():
+            c_arg, tile0 = slab_operand(lo, hi)
+            if stats and lo == 0:
+                launch(c_arg, tile0, (n_blocks, 1), 0, 0, 1, 1, None)
+                # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read).
+                m0 = Mx[0] + torch.log(Se[0])
+            lo = max(lo, head)
+            if hi > lo:
+                tps, splits = split(lo, hi)
+                launch(c_arg, tile0, (n_blocks, splits), part, lo, hi, tps, m0)
                 part += splits
+        if stats and m0 is None:  # N == 0
+            m0 = Mx[0] + torch.log(Se[0])
     # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
     # m = -inf, S = 0 everywhere and are zeroed through `done`.
     M = Mx.max(0).values
@@ -548,6 +540,59 @@ def linear_ce_forward(
     if m0 is not None:
         m0 = torch.where(torch.isfinite(m0), m0, 0.0)
     return FwdStats(lse, tl_, ss, St, Sq, m0)
+
+
+@triton.jit
+def _dense_dz(
+    L, lse, alpha, beta, Gamma, W, offs_n, vid, is_t, row_mask, col_mask, softcap,
+    HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    """(dZ, p) of a logit tile L (bias added, softcap not yet), fp32, 0 outside the rows / columns:
+    dZ = (alpha p - beta [v == t] [- gamma w]) softcap'. The target term is formed in the tile,
+    before any rounding (see _bwd_kernel)."""
+    if HAS_SOFTCAP:
+        th = _tanh(L / softcap)
+        L = softcap * th
+    mask2 = row_mask[:, None] & col_mask[None, :]
+    p = tl.where(mask2, tl.exp(L - lse[:, None]), 0.0)
+    dz = alpha[:, None] * p - tl.where(is_t, beta[:, None], 0.0)
+    if FOLD_SMOOTH:
+        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
+        if HAS_WEIGHT:
+            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(col_mask, 1.0, 0.0)
+        dz -= gamma[:, None] * w[None, :]
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    return tl.where(mask2, dz, 0.0), p
+
+
+@triton.jit
+def _store_dz(
+    dz, is_t, offs_n, row_mask, offs_p, col_mask, DZ, InvScale, TLo, N, stride_dz, col0,
+    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr,
+):  # fmt: skip
+    """Round the dZ tile to DZ's dtype and store it at columns offs_p - col0 of the slab; returns
+    (rounded tile, inv) with inv the fp16 scale's inverse (1 without SCALE_DZ). Rows past n_valid
+    in a partly valid block are stored as zeros. TARGET_LO: the target entry's rounding remainder
+    goes to TLo[row] (added back in fp32 outside)."""
+    if SCALE_DZ:
+        # fp16: one global scale (1 / max |alpha|) keeps alpha p above fp16's normal range.
+        inv = tl.load(InvScale)
+        dzr = (dz * inv).to(DZ.dtype.element_ty)
+        back = dzr.to(tl.float32) / inv
+    else:
+        inv = 1.0
+        dzr = dz.to(DZ.dtype.element_ty)
+        back = dzr.to(tl.float32)
+    if TARGET_LO:
+        lo = tl.sum(tl.where(is_t, dz - back, 0.0), axis=1)
+        row_t = tl.max(is_t.to(tl.int32), axis=1) > 0
+        tl.store(TLo + offs_n, lo, mask=row_mask & row_t)
+    dz_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + (offs_p - col0)[None, :]
+    tl.store(dz_ptr, dzr, mask=(offs_n < N)[:, None] & col_mask[None, :])
+    return dzr, inv
 
 
 @triton.jit
@@ -603,44 +648,22 @@ def _bwd_kernel(
     if HAS_BIAS:
         b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
         L += b[None, :]
-    if HAS_SOFTCAP:
-        th = _tanh(L / softcap)
-        L = softcap * th
     lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
     alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
     beta = tl.load(Beta + offs_n, mask=row_mask, other=0.0)
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
-    mask2 = row_mask[:, None] & col_mask[None, :]
-    is_t = (vid[None, :] == tgt[:, None]) & mask2
-    p = tl.where(mask2, tl.exp(L - lse[:, None]), 0.0)
-    dz = alpha[:, None] * p - tl.where(is_t, beta[:, None], 0.0)
-    if FOLD_SMOOTH:
-        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
-        if HAS_WEIGHT:
-            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
-        else:
-            w = tl.where(col_mask, 1.0, 0.0)
-        dz -= gamma[:, None] * w[None, :]
-    if HAS_SOFTCAP:
-        dz *= 1.0 - th * th
-    dz = tl.where(mask2, dz, 0.0)
+    is_t = (vid[None, :] == tgt[:, None]) & row_mask[:, None] & col_mask[None, :]
+    dz, p = _dense_dz(
+        L, lse, alpha, beta, Gamma, W, offs_n, vid, is_t, row_mask, col_mask, softcap,
+        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT,
+    )  # fmt: skip
     if NEED_DBIAS:
         tl.atomic_add(dBias + vid, tl.sum(dz, axis=0), mask=col_mask, sem="relaxed")
     if STORE_DZ:
-        if SCALE_DZ:
-            # fp16: one global scale (1 / max |alpha|) keeps alpha p above fp16's normal range.
-            inv = tl.load(InvScale)
-            dzr = (dz * inv).to(DZ.dtype.element_ty)
-            back = dzr.to(tl.float32) / inv
-        else:
-            dzr = dz.to(DZ.dtype.element_ty)
-            back = dzr.to(tl.float32)
-        if TARGET_LO:
-            lo = tl.sum(tl.where(is_t, dz - back, 0.0), axis=1)
-            row_t = tl.max(is_t.to(tl.int32), axis=1) > 0
-            tl.store(TLo + offs_n, lo, mask=row_mask & row_t)
-        dz_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + (offs_p - tile0 * BLOCK_V)[None, :]
-        tl.store(dz_ptr, dzr, mask=(offs_n < N)[:, None] & col_mask[None, :])
+        dzr, inv = _store_dz(
+            dz, is_t, offs_n, row_mask, offs_p, col_mask, DZ, InvScale, TLo, N, stride_dz,
+            tile0 * BLOCK_V, SCALE_DZ, TARGET_LO,
+        )  # fmt: skip
         if not NEED_DE:
             return  # exact path: both products by cuBLAS on the slab
     if FILTER:
@@ -813,7 +836,7 @@ def _dz_slab_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The exact path's dZ slab by tensor descriptors (Hopper): _bwd_kernel's STORE_DZ tile
-    (same dZ, same fp16 scale, same target remainder TLo) for unsorted vocabularies, each program
+    (the same _dense_dz and _store_dz) for unsorted vocabularies, each program
     walking tiles [tile0 + pid_s * tiles_per_split, ...) of the slab (< tile_hi) for one token
     block in one flat (tile, D chunk) loop, as _fwd_kernel does. E: descriptor of the gathered
     rows (row i = sorted row i), C: descriptor of c; DZ column 0 is tile0's first class.
@@ -830,10 +853,6 @@ def _dz_slab_kernel(
     alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
     beta = tl.load(Beta + offs_n, mask=row_mask, other=0.0)
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
-    if FOLD_SMOOTH:
-        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
-    if SCALE_DZ:
-        inv = tl.load(InvScale)
     t0 = tile0 + pid_s * tiles_per_split
     t1 = tl.minimum(t0 + tiles_per_split, tile_hi)
     k_tiles = tl.cdiv(D, BLOCK_D)
@@ -848,40 +867,20 @@ def _dz_slab_kernel(
         b = C.load([tile * BLOCK_V, ki * BLOCK_D])  # [BLOCK_V, BLOCK_D]
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
         if ki == k_tiles - 1:
-            lo = tile * BLOCK_V
-            offs_p = lo + tl.arange(0, BLOCK_V)
+            offs_p = tile * BLOCK_V + tl.arange(0, BLOCK_V)
             col_mask = offs_p < V
             L = acc
             if HAS_BIAS:
                 L += tl.load(Bias + offs_p, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            if HAS_SOFTCAP:
-                th = _tanh(L / softcap)
-                L = softcap * th
-            is_t = offs_p[None, :] == tgt[:, None]
-            dz = alpha[:, None] * _exp(L - lse[:, None]) - tl.where(is_t, beta[:, None], 0.0)
-            if FOLD_SMOOTH:
-                if HAS_WEIGHT:
-                    w = tl.load(W + offs_p, mask=col_mask, other=0.0).to(tl.float32)
-                else:
-                    w = tl.where(col_mask, 1.0, 0.0)
-                dz -= gamma[:, None] * w[None, :]
-            if HAS_SOFTCAP:
-                dz *= 1.0 - th * th
-            dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)  # [BLOCK_N, BLOCK_V]
-            if SCALE_DZ:
-                dzr = (dz * inv).to(DZ.dtype.element_ty)
-            else:
-                dzr = dz.to(DZ.dtype.element_ty)
-            if TARGET_LO:
-                if SCALE_DZ:
-                    back = dzr.to(tl.float32) / inv
-                else:
-                    back = dzr.to(tl.float32)
-                rem = tl.sum(tl.where(is_t, dz - back, 0.0), axis=1)
-                row_t = (tgt >= lo) & (tgt < lo + BLOCK_V)
-                tl.store(TLo + offs_n, rem, mask=row_mask & row_t)
-            dz_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + (offs_p - tile0 * BLOCK_V)[None, :]
-            tl.store(dz_ptr, dzr, mask=(offs_n < N)[:, None] & col_mask[None, :])
+            is_t = offs_p[None, :] == tgt[:, None]  # never true past n_valid (tgt -1) or V
+            dz, _ = _dense_dz(
+                L, lse, alpha, beta, Gamma, W, offs_n, offs_p, is_t, row_mask, col_mask, softcap,
+                HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT,
+            )  # fmt: skip
+            _store_dz(
+                dz, is_t, offs_n, row_mask, offs_p, col_mask, DZ, InvScale, TLo, N, stride_dz,
+                tile0 * BLOCK_V, SCALE_DZ, TARGET_LO,
+            )  # fmt: skip
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
 
 
