@@ -873,7 +873,7 @@ def _dz_slab_kernel(
             if HAS_BIAS:
                 L += tl.load(Bias + offs_p, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             is_t = offs_p[None, :] == tgt[:, None]  # never true past n_valid (tgt -1) or V
-            dz, _ = _dense_dz(
+            dz, _p = _dense_dz(  # (the loop counter is `_`)
                 L, lse, alpha, beta, Gamma, W, offs_n, offs_p, is_t, row_mask, col_mask, softcap,
                 HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT,
             )  # fmt: skip
