@@ -2,8 +2,8 @@
 
 Forward: the kernel reduces each valid token's logits to (lse, target logit[, weighted logit
 sum]); the loss is assembled from those by cce/_math.py. Saved for backward: e, c, bias, weight,
-rows, targets (the inputs) and lse (O(N)); for a filtered training step also the tile statistics
-of the sparse backward (O(N V / 256) bytes, see use_sparse_backward).
+rows, targets (the inputs) and lse (O(N)); for a filtered training step also the encoded tile
+statistics of the sparse backward (one byte per row and 256 classes, see use_sparse_backward).
 
 Backward: _math.coefficients turns the upstream gradient into (alpha, beta, gamma) per row.
 Sparse path (sparse_backward): the forward's statistics decide which tiles are recomputed; dE and
@@ -19,8 +19,6 @@ device, so a training step can be captured in a CUDA graph. Both entry points ar
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -57,11 +55,16 @@ class _Rows:
         self.N = N
         self.valid = targets != ignore_index
         self.safe_t = torch.where(self.valid, targets, torch.zeros_like(targets))
-        # Stable: valid rows keep their relative order (deterministic atomics order aside).
-        self.perm = torch.argsort((~self.valid).to(torch.int32), stable=True)
-        self.erow = rows if rows is not None else torch.arange(N, device=dev)  # e2d row, problem order
-        self.erow_s = self.erow.index_select(0, self.perm).contiguous()
+        # Stable partition (valid rows keep their relative order): row i goes to its rank among
+        # the valid rows, or past them to its rank among the ignored ones. A cumsum and a scatter
+        # instead of a sort.
+        ar = torch.arange(N, device=dev)
+        cv = torch.cumsum(self.valid, 0)
         self.n_valid = self.valid.sum(dtype=torch.int32).reshape(1)
+        pos = torch.where(self.valid, cv - 1, self.n_valid + ar - cv)
+        self.perm = torch.empty_like(ar).scatter_(0, pos, ar)
+        self.erow = rows if rows is not None else ar  # e2d row, problem order
+        self.erow_s = self.perm if rows is None else rows.index_select(0, self.perm).contiguous()
 
     def unsort(self, x_sorted: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x_sorted).index_copy_(0, self.perm, x_sorted)
@@ -90,13 +93,14 @@ def linear_ce_triton_fwd(
     torch.Tensor,
     torch.Tensor,
     torch.Tensor,
-    torch.Tensor,
 ]:
-    """(loss, lse, st, sq, m0, tgt_logit, vperm, vscore); lse is fp32 (N,), 0 at ignored rows.
+    """(loss, lse, code, keep, tgt_logit, vperm, vscore); lse is fp32 (N,), 0 at ignored rows.
 
     With ``stats`` (a training forward whose backward is the sparse one) the remaining outputs are
-    the tile statistics of K.linear_ce_forward (rows in the valid-first order), the sorted rows'
-    target logits, and the vocabulary order with its scores; otherwise they are empty.
+    the encoded tile statistics (K.encode_tile_stats: uint8 masses per sorted row and tile, int8
+    keep flags per token block and tile), the sorted rows' target logits, and the vocabulary order
+    (int32) with its scores; otherwise they are empty. The raw statistics (3 bytes per row and
+    tile) are freed here, before the backward allocates the gradients.
     """
     e2d, c, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
     V = c.shape[0]
@@ -111,6 +115,11 @@ def linear_ce_triton_fwd(
     )
     lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
     ssum = None if st.ssum is None else r.unsort(st.ssum)
+    if stats:
+        BN = K.stats_blocks(e2d.dtype)[0]
+        code, keep = K.encode_tile_stats(st.st, st.sq, st.m0, st.lse, r.n_valid, BN)
+        zt_s = st.tgt
+    del st
     w_t = _math.target_weight(weight, targets, r.valid)
     W = _math.weight_total(weight, V, e2d.device)
     loss_tok = _math.token_loss(lse, tgt, ssum, w_t, W, r.valid, k)
@@ -118,17 +127,8 @@ def linear_ce_triton_fwd(
     lse = torch.where(r.valid, lse, 0.0)
     if not stats:
         none = e2d.new_empty(0, dtype=torch.float32)
-        return (
-            loss,
-            lse,
-            none.half(),
-            none.to(torch.int8),
-            none.clone(),
-            none.clone(),
-            none.long(),
-            none.clone(),
-        )
-    return loss, lse, st.st, st.sq, st.m0, st.tgt, perm, score
+        return loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone()
+    return loss, lse, code, keep, zt_s, perm.int(), score
 
 
 def _stats_tiles(V: int, dtype: torch.dtype) -> int:
@@ -147,21 +147,13 @@ def _(
     lse = e2d.new_empty((N,), dtype=f32)
     if not stats:
         none = e2d.new_empty(0, dtype=f32)
-        return (
-            loss,
-            lse,
-            none.half(),
-            none.to(torch.int8),
-            none.clone(),
-            none.clone(),
-            none.long(),
-            none.clone(),
-        )
+        return loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone()
+    BN = K.stats_blocks(torch.float32 if e2d.dtype == torch.float64 else e2d.dtype)[0]
     nt = _stats_tiles(V, e2d.dtype)
     return (
-        loss, lse, e2d.new_empty((N, nt), dtype=torch.float16), e2d.new_empty((N, nt), dtype=torch.int8),
-        e2d.new_empty((N,), dtype=f32), e2d.new_empty((N,), dtype=f32), e2d.new_empty((V,), dtype=torch.long),
-        e2d.new_empty((V,), dtype=f32),
+        loss, lse, e2d.new_empty((N, nt), dtype=torch.uint8),
+        e2d.new_empty((-(-N // BN), nt), dtype=torch.int8), e2d.new_empty((N,), dtype=f32),
+        e2d.new_empty((V,), dtype=torch.int32), e2d.new_empty((V,), dtype=f32),
     )  # fmt: skip
 
 
@@ -276,7 +268,9 @@ def _backward_core(
         )
         dE = None
         if dn.dE is not None:
-            dE = torch.zeros(e2d.shape, dtype=torch.float32, device=dev).index_copy_(0, r.erow_s, dn.dE)
+            # Without `rows` the sorted rows are a permutation of e2d's: every row is written.
+            make = torch.empty if rows is None else torch.zeros
+            dE = make(e2d.shape, dtype=torch.float32, device=dev).index_copy_(0, r.erow_s, dn.dE)
         return dE, dn.dC, dn.dbias, dn
     perm = vocab_order(e2d, c, bias, r) if sort_vocab else None
     w = ge = None
@@ -373,16 +367,16 @@ def _lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-    filter_eps, need_de, need_dc, st, sq, m0, zt_s, vperm, vscore, *, return_plan: bool = False,
+    filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, *, return_plan: bool = False,
 ):  # fmt: skip
-    """(dE, dC) in e2d's / c's dtype from the forward's tile statistics (K.SparsePlan).
+    """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (K.SparsePlan).
 
-    A tile (token block x vocabulary tile, vocabulary in vperm order) is recomputed only when the
-    statistic sq of one of its rows says a non-target probability may reach filter_eps. The others
-    contribute
-    alpha_i S_ij mean(C_j) to dE (S_ij: the tile's non-target mass, from st) and q_v G_j to dC;
-    every target entry alpha p_t - beta is added exactly. Smoothing (never with softcap here) is
-    the exact rank-1 term.
+    A tile (token block x vocabulary tile, vocabulary in vperm order) is recomputed only when
+    ``keep`` says so (the forward found a non-target probability of one of its rows that may
+    reach filter_eps). The others contribute alpha_i S_ij mean(C_j) to dE (S_ij: the tile's
+    non-target mass, decoded from ``code``) and q_v G_j to dC; every target entry
+    alpha p_t - beta is added exactly. Smoothing (never with softcap here) is the exact rank-1
+    term.
     """
     V, D = c.shape
     dev = e2d.device
@@ -404,7 +398,7 @@ def sparse_backward(
     if softcap > 0:
         coef = coef * (1.0 - (zt_s / softcap) ** 2)
     coef = torch.where(valid_s, coef, 0.0)
-    keep = _keep_tiles(sq, m0, lse_s, valid_s, BN)
+    keep = keep.bool()
     smooth = k.smoothing
     gamma_s = srt(gamma.float()) if smooth else None
     w = None
@@ -417,7 +411,7 @@ def sparse_backward(
         if smooth:
             wc = _weighted_rows(w, c)
     if need_dc:
-        dc_in = _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, gamma, BN, BV)
+        dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV)
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot.
     cap = K.kept_scratch_tiles(N, e2d.dtype)
     kflat = keep.reshape(-1)
@@ -426,11 +420,12 @@ def sparse_backward(
     klist = torch.zeros(cap + 1, dtype=torch.int32, device=dev).scatter_(
         0, slot, torch.arange(kflat.numel(), dtype=torch.int32, device=dev)
     )
+    del slot
     n_kept = kflat.sum(dtype=torch.int32).reshape(1)
     list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
     del dc_in
     plan = K.SparsePlan(
-        keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, st, m0, coef, G, q, trow, tpos, tcoef, seg, wc,
+        keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
         ge, gidx.view(keep.shape), klist, n_kept,
     )  # fmt: skip
     del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
@@ -443,12 +438,12 @@ def sparse_backward(
     return dE, dC
 
 
-def _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, gamma, BN: int, BV: int):
+def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int):
     """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see K.SparsePlan.
 
     Built in this function so that nothing but the plan holds them (the launcher releases them
     once dC is written, before dE and the tile means are allocated)."""
-    N, nt = st.shape
+    N, nt = code.shape
     V, D = vperm.numel(), e2d.shape[1]
     dev, f32 = e2d.device, torch.float32
     pos = torch.arange(N, device=dev)
@@ -459,9 +454,8 @@ def _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, g
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
     for s in range(0, N, _SPARSE_ROWS):
         t = min(s + _SPARSE_ROWS, N)
-        skipped = ~keep.index_select(0, pos[s:t] // BN) & valid_s[s:t, None]
-        S = torch.exp(st[s:t].float() + (m0[s:t] - lse_s[s:t])[:, None]) * alpha_s[s:t, None]
-        S = torch.where(skipped, S, 0.0)
+        # 0 for kept tiles and ignored rows (code 255)
+        S = K.decode_tile_mass(code[s:t]) * alpha_s[s:t, None]
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
             G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
@@ -471,7 +465,7 @@ def _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, g
     sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
     sc[:V] = vscore
     q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V].contiguous()
-    tp = K.inverse_permutation(vperm).index_select(0, t_s)
+    tp = K.inverse_permutation(vperm.long()).index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)
     trow = r.erow_s.index_select(0, order).contiguous()
@@ -480,28 +474,6 @@ def _dc_inputs(e2d, r, keep, st, m0, lse_s, alpha_s, coef, t_s, vperm, vscore, g
     seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
     ge = None if gamma is None else _weighted_rows(gamma, e2d, r.erow)
     return list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge
-
-
-def _keep_tiles(sq, m0, lse_s, valid_s, BN: int) -> torch.Tensor:
-    """[n_blocks, n_tiles] bool: the tiles whose largest non-target probability may reach eps.
-
-    sq holds ceil(8 u) (u = tile max - m0 - log eps, an upper bound at 1/8 nat; 127: unbounded),
-    and p_max >= eps needs u >= lse - m0. Row chunks keep the temporaries small.
-    """
-    N, nt = sq.shape
-    nb = -(-N // BN)
-    keep = torch.empty((nb, nt), dtype=torch.bool, device=sq.device)
-    step = max(BN, _SPARSE_ROWS // BN * BN)
-    for s in range(0, N, step):
-        t = min(s + step, N)
-        need = torch.where(valid_s[s:t], lse_s[s:t] - m0[s:t], math.inf)
-        q = sq[s:t].float()
-        kr = (q / 8.0 >= need[:, None]) | ((q >= 127.0) & valid_s[s:t, None])
-        pad = -(t - s) % BN
-        if pad:
-            kr = torch.nn.functional.pad(kr, (0, 0, 0, pad))
-        keep[s // BN : -(-t // BN)] = kr.view(-1, BN, nt).any(1)
-    return keep
 
 
 @torch.library.custom_op("cce::linear_ce_triton_bwd_sparse", mutates_args=())
@@ -515,9 +487,8 @@ def linear_ce_triton_bwd_sparse(
     lse: torch.Tensor,
     g: torch.Tensor,
     h: torch.Tensor | None,
-    st: torch.Tensor,
-    sq: torch.Tensor,
-    m0: torch.Tensor,
+    code: torch.Tensor,
+    keep: torch.Tensor,
     zt: torch.Tensor,
     vperm: torch.Tensor,
     vscore: torch.Tensor,
@@ -534,7 +505,7 @@ def linear_ce_triton_bwd_sparse(
     e2d_k, c_k, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
     dE, dC = sparse_backward(
         e2d_k, c_k, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-        filter_eps, need_de, need_dc, st, sq, m0, zt, vperm, vscore,
+        filter_eps, need_de, need_dc, code, keep, zt, vperm, vscore,
     )  # fmt: skip
     return (
         dE.to(e_dtype) if dE is not None else e2d.new_empty(0),
@@ -543,25 +514,25 @@ def linear_ce_triton_bwd_sparse(
 
 
 @linear_ce_triton_bwd_sparse.register_fake
-def _(e2d, c, bias, weight, rows, targets, lse, g, h, st, sq, m0, zt, vperm, vscore, ignore_index, softcap,
+def _(e2d, c, bias, weight, rows, targets, lse, g, h, code, keep, zt, vperm, vscore, ignore_index, softcap,
       label_smoothing, z_loss, filter_eps, need_de, need_dc):  # fmt: skip
     return e2d.new_empty(e2d.shape if need_de else (0,)), c.new_empty(c.shape if need_dc else (0,))
 
 
 def _setup_context(ctx, inputs, output):
     (e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, ls, z_loss, eps, stats) = inputs
-    _loss, lse, st, sq, m0, zt, vperm, vscore = output
-    ctx.mark_non_differentiable(st, sq, m0, zt, vperm, vscore)
-    # Unused incoming gradients stay None: materialised, the statistics' would be a zero-filled
-    # [N, V / 256] fp16 tensor (16 MB at N = 8192, V = 256000) alive through the backward.
+    _loss, lse, code, keep, zt, vperm, vscore = output
+    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore)
+    # Unused incoming gradients stay None: materialised, the statistics' would be zero-filled
+    # [N, V / 256] tensors alive through the backward.
     ctx.set_materialize_grads(False)
     ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, eps, stats)
-    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse, st, sq, m0, zt, vperm, vscore)
+    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore)
 
 
 def _backward(ctx, g_loss, g_lse, *_aux):
     ignore_index, reduction, softcap, ls, z_loss, eps, stats = ctx.opts
-    e2d, c, bias, weight, rows, targets, lse, st, sq, m0, zt, vperm, vscore = ctx.saved_tensors
+    e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore = ctx.saved_tensors
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
     nothing = (None,) * 10
@@ -576,7 +547,7 @@ def _backward(ctx, g_loss, g_lse, *_aux):
         g = _math.row_upstream(g_loss, w_t, reduction, N).contiguous()
     if stats and not need_db:
         dE, dC = linear_ce_triton_bwd_sparse(
-            e2d, c, bias, weight, rows, targets, lse, g, g_lse, st, sq, m0, zt, vperm, vscore, ignore_index,
+            e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, ignore_index,
             softcap, ls, z_loss, eps, need_de, need_dc,
         )  # fmt: skip
         db = None

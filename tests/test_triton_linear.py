@@ -88,8 +88,10 @@ def test_options_vs_oracle(opts, dtype):
     _check(got, ref, dtype)
 
 
-# (lead shape, D, V): V and D off the block grid, V < BLOCK_V, several D chunks, a single token.
-SHAPES = [((1,), 40, 50), ((37,), 96, 300), ((64,), 33, 20), ((3, 7), 17, 129)]
+# (lead shape, D, V): V and D off the block grid, V < BLOCK_V, several D chunks, a single token,
+# and V on the block grid (512: whole vocabulary tiles for the interpreter's and the GPU's
+# BLOCK_V, the forward then compiles without its column mask).
+SHAPES = [((1,), 40, 50), ((37,), 96, 300), ((64,), 33, 20), ((3, 7), 17, 129), ((24,), 40, 512)]
 
 
 @pytest.mark.parametrize("lead,D,V", SHAPES)

@@ -3,14 +3,14 @@ under the Triton interpreter on CPU (or on a GPU).
 
 Its filter: a tile (token block x vocabulary tile, vocabulary in the forward's sorted order) is
 recomputed only if the forward's statistic Sq (each row's tile max, rounded up to 1/8 nat) says
-some non-target probability may reach eps; a skipped
-tile adds alpha_i S_ij mean(C_j) to dE_i (S_ij its non-target mass from the fp16 statistic St) and
-q_v G_j to dC_v; the target entries are exact. The tests check the statistics against float64
-truth, that skipping is sound (every skipped entry is below eps), and that the gradient error obeys
-the stated bound (docs/design.md):
+some non-target probability may reach eps; a skipped tile adds alpha_i S'_ij mean(C_j) to dE_i
+(S'_ij its non-target mass as decoded from the uint8 code the forward keeps, see
+K.encode_tile_stats) and q_v G_j to dC_v; the target entries are exact. The tests check the raw
+statistics and the codes against float64 truth, that skipping is sound (every skipped entry is
+below eps), and that the gradient error obeys the stated bound (docs/design.md):
 
     |err dE_i| <= sum_{skipped j} ( sum_{v in j, v != t_i} |dZ_iv| |c_v - mean C_j|
-                                   + alpha_i S_ij (exp(2^-11 |St_ij|) - 1) |mean C_j| )
+                                   + alpha_i |S'_ij - S_ij| |mean C_j| )
     |err dC_v| <= sum_{i: (block(i), j(v)) skipped, t_i != v} |dZ_iv| |e_i| + q_v |G_j|
 
 with dZ = alpha p softcap' (the non-target part of the logit gradient). fp32 inputs (the bound's
@@ -33,10 +33,17 @@ triton = pytest.importorskip("triton")
 F16_REL = 2.0**-11  # fp16 rounding, relative
 
 
-def _forward_stats(e, c, t, eps, softcap=0.0, smoothing=0.0, bias=None):
-    from cce.triton_impl import linear_ce_triton_fwd
+def _raw_stats(e, c, t, eps, bias=None, softcap=0.0):
+    """The forward kernel's raw tile statistics (K.FwdStats: st, sq, m0 on sorted rows), the
+    vocabulary order and the row order, as linear_ce_triton_fwd computes them."""
+    import cce.kernels.linear_ce as K
+    from cce.triton_impl import _Rows, vocab_scores
 
-    return linear_ce_triton_fwd(e, c, bias, None, None, t, -100, "mean", softcap, smoothing, 0.0, eps, True)
+    r = _Rows(t, None, -100)
+    vperm, _ = vocab_scores(e, c, bias, r)
+    t_s = r.safe_t.index_select(0, r.perm)
+    out = K.linear_ce_forward(e, c, bias, None, r.erow_s, t_s, r.n_valid, softcap, False, perm=vperm, eps=eps)
+    return out, vperm, r
 
 
 def _truth(e, c, t, bias, softcap):
@@ -56,14 +63,13 @@ def test_forward_tile_statistics(softcap):
     """St is the tile's non-target log-mass (x softcap') relative to m0 up to fp16 rounding; m0 is
     a lower bound of lse; Sq / 8 bounds the tile's non-target max (relative to m0 + log eps)."""
     from cce.kernels.linear_ce import stats_blocks
-    from cce.triton_impl import _Rows
 
     e, c, t = zipf_inputs(70, 40, 300, dtype=torch.float32, seed=3)
     t[::9] = -100
     bias = 0.3 * torch.randn(300)
     eps = 1e-3
-    _, lse_out, st, sq, m0, zt, vperm, _ = _forward_stats(e, c, t, eps, softcap, bias=bias)
-    r = _Rows(t, None, -100)
+    out, vperm, r = _raw_stats(e, c, t, eps, bias, softcap)
+    st, sq, m0, zt = out.st, out.sq, out.m0, out.tgt
     n = int(r.n_valid)
     rows = r.perm[:n]
     z, lse, scp = _truth(e, c, t, bias, softcap)
@@ -87,11 +93,69 @@ def test_forward_tile_statistics(softcap):
         assert (q[u > -0.125] == torch.ceil(8 * u[u > -0.125]).clamp(max=127)).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("chain", [None, 3])
+def test_encoded_tile_statistics(chain, monkeypatch):
+    """What the backward keeps of the statistics (K.encode_tile_stats): a tile is kept for a token
+    block iff one of its rows' bounds Sq / 8 reaches lse - m0 (or is 127); the skipped tiles'
+    masses are coded with their rounding carried along each row's chain of tiles, so that every
+    running sum of decoded masses stays within the carry bound of the true running sum:
+
+        |sum_{j <= k} S'_ij - S_ij| <= h / (1 - h) max_{j <= k} S_ij + fp16 error of St,
+        h = exp(1 / (2 STEPS)) - 1 (half a code step)
+
+    (and kept tiles, ignored rows code 255, mass 0). ``chain`` 3 splits the tiles into several
+    carry chains (each starts at zero carry)."""
+    import cce.kernels.linear_ce as K
+
+    if chain is not None:
+        monkeypatch.setattr(K, "STATS_CHAIN_TILES", chain)
+    e, c, t = zipf_inputs(70, 48, 800, dtype=torch.float32, seed=5)
+    t[::9] = -100
+    eps = 5e-3
+    out, vperm, r = _raw_stats(e, c, t, eps)
+    BN, BV = K.stats_blocks(e.dtype)
+    code, keep = K.encode_tile_stats(out.st, out.sq, out.m0, out.lse, r.n_valid, BN)
+    n, N = int(r.n_valid), len(t)
+    nt = out.st.shape[1]
+    assert code.dtype == torch.uint8 and code.shape == (N, nt) and keep.shape == (-(-N // BN), nt)
+    # keep: the block OR of the rows' rule
+    need = (out.lse - out.m0)[:n, None].double()
+    q = out.sq[:n].double()
+    kr = (q / 8 >= need) | (q == 127)
+    want = torch.zeros(keep.shape, dtype=torch.bool)
+    for b in range(keep.shape[0]):
+        want[b] = kr[b * BN : (b + 1) * BN].any(0)
+    assert torch.equal(keep.bool(), want)
+    frac = want[: -(-n // BN)].float().mean()
+    assert 0 < frac < 0.7, frac  # both kinds of tiles, mostly skipped ones
+    # codes: the true masses, float64, in the walking order
+    z, lse, _ = _truth(e, c, t, None, 0.0)
+    rows = r.perm[:n]
+    z, lse, ts = z[rows][:, vperm], lse[rows], t[rows]
+    mass = torch.where(vperm[None, :] == ts[:, None], 0.0, torch.exp(z - lse[:, None]))
+    S = torch.nn.functional.pad(mass, (0, nt * BV - mass.shape[1])).view(n, nt, BV).sum(2)
+    skipped = ~keep.bool()[torch.arange(n) // BN]
+    S = torch.where(skipped, S, 0.0)
+    dec = K.decode_tile_mass(code[:n]).double()
+    assert (dec[~skipped] == 0).all() and (code[n:] == 255).all()
+    h = math.exp(1 / (2 * K.STATS_STEPS)) - 1
+    f16 = S * (torch.exp(F16_REL * (out.st[:n].double().abs() + 1)) - 1)
+    L = K.STATS_CHAIN_TILES
+    for j0 in range(0, nt, L):
+        cols = slice(j0, min(nt, j0 + L))
+        carry = (S[:, cols].cumsum(1) - dec[:, cols].cumsum(1)).abs()
+        bound = h / (1 - h) * S[:, cols].cummax(1).values + f16[:, cols].cumsum(1) + 1e-7 * S[:, cols].cumsum(1)
+        assert (carry <= bound + 1e-12).all(), (carry - bound).max()
+    # ... and it can fail: codes one step off (6% on each mass) break it.
+    off = K.decode_tile_mass((code[:n].int() + 1).clamp(max=255).to(torch.uint8)).double()
+    assert ((S.cumsum(1) - off.cumsum(1)).abs() > h / (1 - h) * S.cummax(1).values + f16.cumsum(1)).any()
+
+
 def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r):
     """Per sorted row / per vocabulary id, the stated error bounds of dE and dC (float64)."""
-    from cce.kernels.linear_ce import stats_blocks
+    import cce.kernels.linear_ce as K
 
-    BN, BV = stats_blocks(e.dtype)
+    BN, BV = K.stats_blocks(e.dtype)
     n = int(r.n_valid)
     rows = r.perm[:n]
     z, lse, scp = _truth(e, c, t, bias, softcap)
@@ -101,7 +165,9 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r):
     dz = torch.where(torch.arange(c.shape[0])[None, :] == ts[:, None], 0.0, dz).abs()
     es, cs = e.double()[r.erow_s[:n]], c.double()
     keep = plan.keep.bool()
-    st, m0 = plan.st[:n].double(), plan.m0[:n].double()
+    dec = K.decode_tile_mass(plan.code[:n]).double()
+    is_t = vperm[None, :] == ts[:, None]
+    mass = torch.where(is_t, 0.0, torch.exp(z[rows][:, vperm] - lse[rows][:, None]) * scp[rows][:, vperm])
     be = torch.zeros(n, dtype=torch.float64)
     bc = torch.zeros(c.shape[0], dtype=torch.float64)
     for j in range(keep.shape[1]):
@@ -113,8 +179,8 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r):
             if blk.start >= n or keep[b, j]:
                 continue
             D = dz[blk][:, ids]
-            S = torch.exp(st[blk, j] + m0[blk] - lse[rows][blk])
-            be[blk] += D @ spread + a[blk].abs() * S * (torch.exp(F16_REL * st[blk, j].abs()) - 1) * cm.norm()
+            S = mass[blk, j * BV : (j + 1) * BV].sum(1)
+            be[blk] += D @ spread + a[blk].abs() * (dec[blk, j] - S).abs() * cm.norm()
             bc[ids] += D.T @ es[blk].norm(dim=1)
         bc[ids] += plan.q[j * BV : (j + 1) * BV].double() * plan.g[j].double().norm()
     return be, bc
@@ -146,13 +212,13 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
     red = opts.get("reduction", "mean")
     eps = 2e-3
     out = linear_ce_triton_fwd(e, c, bias, None, None, t, -100, red, softcap, ls, zl, eps, True)
-    lse, st, sq, m0, zt, vperm, vscore = out[1:]
+    lse, code, keep, zt, vperm, vscore = out[1:]
     valid = t != -100
     w_t = _math.target_weight(None, t, valid)
     g = _math.row_upstream(torch.ones(()), w_t, red, len(t))
     dE, dC, plan = sparse_backward(
         e, c, bias, None, None, t, lse, g, None, -100, softcap, ls, zl, eps, True, True,
-        st, sq, m0, zt, vperm, vscore, return_plan=True,
+        code, keep, zt, vperm, vscore, return_plan=True,
     )  # fmt: skip
     # The exact gradients: the float64 oracle on the same inputs (the fp32 paths' own rounding,
     # ~1e-7 relative, then gets the 1e-6 relative slack below).

@@ -138,7 +138,8 @@ def _fwd_tile(
     L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
     V, n_vtiles, stride_st, softcap, log_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_V: tl.constexpr,
+    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, EVEN_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One logit tile L [BLOCK_N, BLOCK_V] (fp32, before bias and softcap) into the online softmax.
 
@@ -170,8 +171,11 @@ def _fwd_tile(
             ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0) * w[None, :], axis=1)
         else:
             ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
-    if lo + BLOCK_V > V:
-        L = tl.where(col_mask[None, :], L, float("-inf"))
+    if not EVEN_V:
+        # Columns past V by an additive mask on every tile. Not `if lo + BLOCK_V > V:` around
+        # a masking tl.where: that branch on the tile index measured +10-15% of the whole
+        # kernel's time on H100 (triton 3.6, the same with it never taken); the extra add 0-5%.
+        L = L + tl.where(col_mask, 0.0, float("-inf"))[None, :]
     if STATS:
         # The non-target max and mass are the tile statistics (tpos: the target's position in
         # the walking order).
@@ -207,16 +211,18 @@ def _fwd_tile(
 def _fwd_kernel(
     E, C, Bias, W, Erow, TPos, Zt, NValid, Perm, M0,
     Mx, Se, Ss, St, Sq,
-    N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tile_hi, tiles_per_split,
+    N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tile_hi, n_splits,
     desc_tile0, softcap, log_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, TMA: tl.constexpr,
+    EVEN_V: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Per (token block, vocabulary split): running max, sum of exp, weighted logit sum.
 
-    The split covers tiles [tile_lo + pid_s * tiles_per_split, ...), at most tiles_per_split of
-    them and none at or past tile_hi, of the vocabulary read through ``Perm`` (position -> id) if
+    Split pid_s of n_splits covers tiles [tile_lo + pid_s T // n_splits, tile_lo + (pid_s + 1) T //
+    n_splits) with T = tile_hi - tile_lo (the splits differ by at most one tile), of the
+    vocabulary read through ``Perm`` (position -> id) if
     SORTED; TPos holds each row's target position in that order (STATS only) and Zt its logit.
     HAS_INIT starts the running reference at M0 (the head tile's log-sum-exp: a lower bound of
     every row's lse), else at -inf.
@@ -254,8 +260,9 @@ def _fwd_kernel(
     ref = m
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    t0 = tile_lo + pid_s * tiles_per_split
-    t1 = tl.minimum(t0 + tiles_per_split, tile_hi)
+    # Balanced splits: a short last split would leave most SMs idle in the grid's last wave.
+    t0 = tile_lo + (pid_s * (tile_hi - tile_lo)) // n_splits
+    t1 = tile_lo + ((pid_s + 1) * (tile_hi - tile_lo)) // n_splits
     if TMA:
         k_tiles = tl.cdiv(D, BLOCK_D)
         ki = -1
@@ -272,7 +279,8 @@ def _fwd_kernel(
                 m, s, ssum, ref = _fwd_tile(
                     acc, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
                     tpos, V, n_vtiles, stride_st, softcap, log_eps,
-                    HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, BLOCK_V,
+                    HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
+                    BLOCK_V,
                 )  # fmt: skip
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
@@ -291,7 +299,8 @@ def _fwd_kernel(
             m, s, ssum, ref = _fwd_tile(
                 L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
                 tpos, V, n_vtiles, stride_st, softcap, log_eps,
-                HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, BLOCK_V,
+                HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
+                BLOCK_V,
             )  # fmt: skip
     out = pid_s * stride_part + offs_n
     tl.store(Mx + out, m, mask=row_mask)
@@ -390,6 +399,23 @@ def use_tma(e2d: torch.Tensor, c: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(e2d.device)[0] >= 9
 
 
+# Rows and D chunk of a _target_logit_kernel program.
+TARGET_BLOCK_N = 4
+TARGET_BLOCK_D = 256
+
+
+def _target_logits(e2d, c, bias, erow, tgt, n_valid, softcap: float, out: torch.Tensor) -> None:
+    """out[i] = z of sorted row i's target (bias and softcap applied), fp32; 0 past n_valid.
+    Small row blocks: N x D gathered reads are a memory-bound job, so many programs in flight."""
+    N, D = erow.numel(), e2d.shape[1]
+    ZB = TARGET_BLOCK_N
+    _target_logit_kernel[(triton.cdiv(N, ZB),)](
+        e2d, c, bias if bias is not None else e2d, erow, tgt, n_valid, out, N, D,
+        e2d.stride(0), c.stride(0), float(softcap),
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, BLOCK_N=ZB, BLOCK_D=TARGET_BLOCK_D,
+    )  # fmt: skip
+
+
 def linear_ce_forward(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -447,12 +473,11 @@ def linear_ce_forward(
     else:
         slabs = [(0, n_vtiles)]
 
-    def split(lo: int, hi: int) -> tuple[int, int]:
-        # (tiles per split, splits) of a launch over tiles [lo, hi)
-        tps = triton.cdiv(hi - lo, min(hi - lo, max_splits))
-        return tps, triton.cdiv(hi - lo, tps)
+    def split(lo: int, hi: int) -> int:
+        # splits of a launch over tiles [lo, hi) (balanced: their sizes differ by one at most)
+        return min(hi - lo, max_splits)
 
-    parts = head + sum(split(max(lo, head), hi)[1] for lo, hi in slabs if hi > max(lo, head))
+    parts = head + sum(split(max(lo, head), hi) for lo, hi in slabs if hi > max(lo, head))
 
     f32 = torch.float32
     tpos = tgt
@@ -488,16 +513,17 @@ def linear_ce_forward(
             buf.copy_(c[v0:v1])
         return TD.from_tensor(buf, [BV, cfg.BLOCK_D]), lo
 
-    def launch(c_arg, tile0, grid, part0, tile_lo, tile_hi, tps, m0):
+    def launch(c_arg, tile0, grid, part0, tile_lo, tile_hi, m0):
         _fwd_kernel[grid](
             e_arg, c_arg, bias if bias is not None else e2d, weight if weight is not None else e2d,
             erow, tpos, zt, n_valid, perm if stats else erow, m0 if m0 is not None else Mx,
             Mx[part0:], Se[part0:], Ss[part0:],
             St if stats else Mx, Sq if stats else Mx,
-            N, V, D, e2d.stride(0), c.stride(0), N, n_vtiles, n_vtiles, tile_lo, tile_hi, tps, tile0,
+            N, V, D, e2d.stride(0), c.stride(0), N, n_vtiles, n_vtiles, tile_lo, tile_hi, grid[1], tile0,
             float(softcap), math.log(eps) if stats else 0.0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smoothing,
             HAS_WEIGHT=weight is not None, SORTED=stats, STATS=stats, HAS_INIT=m0 is not None,
+            EVEN_V=V % BV == 0,
             TMA=tma, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D,
             PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -508,23 +534,18 @@ def linear_ce_forward(
         if N > 0:
             # The target logits first, by a kernel of their own (N x D reads): the tile epilogue
             # then needs no per-entry target extraction.
-            ZB = 32
-            _target_logit_kernel[(triton.cdiv(N, ZB),)](
-                e2d, c, bias if bias is not None else e2d, erow, tgt, n_valid, zt, N, D,
-                e2d.stride(0), c.stride(0), float(softcap),
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, BLOCK_N=ZB, BLOCK_D=128,
-            )  # fmt: skip
+            _target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt)
         part = head
         for lo, hi in slabs if N > 0 else ():
             c_arg, tile0 = slab_operand(lo, hi)
             if stats and lo == 0:
-                launch(c_arg, tile0, (n_blocks, 1), 0, 0, 1, 1, None)
+                launch(c_arg, tile0, (n_blocks, 1), 0, 0, 1, None)
                 # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read).
                 m0 = Mx[0] + torch.log(Se[0])
             lo = max(lo, head)
             if hi > lo:
-                tps, splits = split(lo, hi)
-                launch(c_arg, tile0, (n_blocks, splits), part, lo, hi, tps, m0)
+                splits = split(lo, hi)
+                launch(c_arg, tile0, (n_blocks, splits), part, lo, hi, m0)
                 part += splits
         if stats and m0 is None:  # N == 0
             m0 = Mx[0] + torch.log(Se[0])
@@ -829,17 +850,20 @@ def _add_target_lo(e2d, c, erow, tgt, lo, dE, dC, chunk: int = 8192) -> None:
 
 @triton.jit
 def _dz_slab_kernel(
-    E, C, Bias, W, Tgt, NValid, Lse, Alpha, Beta, Gamma, DZ, InvScale, TLo,
-    N, V, D, stride_dz, tile0, tile_hi, tiles_per_split, softcap,
+    E, C, Bias, W, NValid, Lse, Alpha, Gamma, DZ, InvScale,
+    N, V, D, stride_dz, tile0, tile_hi, n_splits, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The exact path's dZ slab by tensor descriptors (Hopper): _bwd_kernel's STORE_DZ tile
-    (the same _dense_dz and _store_dz) for unsorted vocabularies, each program
-    walking tiles [tile0 + pid_s * tiles_per_split, ...) of the slab (< tile_hi) for one token
-    block in one flat (tile, D chunk) loop, as _fwd_kernel does. E: descriptor of the gathered
-    rows (row i = sorted row i), C: descriptor of c; DZ column 0 is tile0's first class.
+    """The exact path's dZ slab by tensor descriptors (Hopper) for unsorted vocabularies: each
+    program walks its balanced share (see _fwd_kernel) of the slab's tiles [tile0, tile_hi) for
+    one token block in one flat (tile, D chunk) loop, as _fwd_kernel does. E: descriptor of the
+    gathered rows (row i = sorted row i), C: descriptor of c; DZ column 0 is tile0's first class.
+
+    The tile's epilogue has no per-entry target or row work: it stores
+    (alpha p [- gamma w]) softcap' and _dz_target_kernel then overwrites the target entries;
+    rows past n_valid get p = 0 through lse = +inf (and alpha = 0), columns past V are not stored.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -849,16 +873,22 @@ def _dz_slab_kernel(
         return  # rows past n_valid stay as zeroed by the launcher
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
-    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=float("inf"))
     alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
-    beta = tl.load(Beta + offs_n, mask=row_mask, other=0.0)
-    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
-    t0 = tile0 + pid_s * tiles_per_split
-    t1 = tl.minimum(t0 + tiles_per_split, tile_hi)
+    if SCALE_DZ:
+        # fp16: one global scale (1 / max |alpha|) keeps alpha p above fp16's normal range.
+        alpha = alpha * tl.load(InvScale)
+    if FOLD_SMOOTH:
+        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
+        if SCALE_DZ:
+            gamma = gamma * tl.load(InvScale)
+    t0 = tile0 + (pid_s * (tile_hi - tile0)) // n_splits
+    t1 = tile0 + ((pid_s + 1) * (tile_hi - tile0)) // n_splits
     k_tiles = tl.cdiv(D, BLOCK_D)
     ki = -1
     tile = t0 - 1
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    row_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz  # [BLOCK_N, 1]
     for _ in range(0, (t1 - t0) * k_tiles):
         ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
         if ki == 0:
@@ -872,16 +902,61 @@ def _dz_slab_kernel(
             L = acc
             if HAS_BIAS:
                 L += tl.load(Bias + offs_p, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            is_t = offs_p[None, :] == tgt[:, None]  # never true past n_valid (tgt -1) or V
-            dz, _p = _dense_dz(  # (the loop counter is `_`)
-                L, lse, alpha, beta, Gamma, W, offs_n, offs_p, is_t, row_mask, col_mask, softcap,
-                HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT,
-            )  # fmt: skip
-            _store_dz(
-                dz, is_t, offs_n, row_mask, offs_p, col_mask, DZ, InvScale, TLo, N, stride_dz,
-                tile0 * BLOCK_V, SCALE_DZ, TARGET_LO,
-            )  # fmt: skip
+            if HAS_SOFTCAP:
+                th = _tanh(L / softcap)
+                L = softcap * th
+            dz = alpha[:, None] * _exp(L - lse[:, None])  # [BLOCK_N, BLOCK_V]
+            if FOLD_SMOOTH:
+                if HAS_WEIGHT:
+                    w = tl.load(W + offs_p, mask=col_mask, other=0.0).to(tl.float32)
+                    dz -= gamma[:, None] * w[None, :]
+                else:
+                    dz -= gamma[:, None]
+            if HAS_SOFTCAP:
+                dz *= 1.0 - th * th
+            dz_ptr = row_ptr + (offs_p - tile0 * BLOCK_V)[None, :]
+            tl.store(dz_ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None] & col_mask[None, :])
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+
+
+@triton.jit
+def _dz_target_kernel(
+    Zt, Tgt, NValid, Lse, Alpha, Beta, Gamma, W, DZ, InvScale, TLo, v0, v1, stride_dz, softcap,
+    HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Overwrites the target entries of a dZ slab (classes [v0, v1)) with their exact value
+    (alpha p_t - beta [- gamma w_t]) softcap'(z_t), p_t = exp(z_t - lse), from the target logits
+    Zt (softcap applied): the slab kernel stored alpha p_t [- gamma w_t] there. TARGET_LO: the
+    rounding remainder of that entry to TLo (added back in fp32 outside, as _bwd_kernel does)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_valid = tl.load(NValid)
+    valid = offs < n_valid
+    t = tl.load(Tgt + offs, mask=valid, other=-1).to(tl.int64)
+    m = valid & (t >= v0) & (t < v1)
+    zt = tl.load(Zt + offs, mask=m, other=0.0)
+    lse = tl.load(Lse + offs, mask=m, other=0.0)
+    alpha = tl.load(Alpha + offs, mask=m, other=0.0)
+    beta = tl.load(Beta + offs, mask=m, other=0.0)
+    v = alpha * tl.exp(zt - lse) - beta
+    if FOLD_SMOOTH:
+        gamma = tl.load(Gamma + offs, mask=m, other=0.0)
+        if HAS_WEIGHT:
+            gamma *= tl.load(W + t, mask=m, other=0.0).to(tl.float32)
+        v -= gamma
+    if HAS_SOFTCAP:
+        r = zt / softcap
+        v *= 1.0 - r * r
+    if SCALE_DZ:
+        inv = tl.load(InvScale)
+        vr = (v * inv).to(DZ.dtype.element_ty)
+        back = vr.to(tl.float32) / inv
+    else:
+        vr = v.to(DZ.dtype.element_ty)
+        back = vr.to(tl.float32)
+    tl.store(DZ + offs.to(tl.int64) * stride_dz + (t - v0), vr, mask=m)
+    if TARGET_LO:
+        tl.store(TLo + offs, v - back, mask=m)
 
 
 # Bytes of the exact path's dZ slab ([N, slab] in the operand dtype).
@@ -962,12 +1037,18 @@ def linear_ce_backward_slabs(
     esz = e2d.element_size()
     slab_bytes = DZ_SLAB_BYTES if slab_bytes is None else slab_bytes
     slab_tiles = max(1, min(n_vtiles, slab_bytes // max(1, N * esz * cfg.BLOCK_V)))
+    if tma:
+        max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * _n_sm(dev), n_blocks))
+        if max_splits <= slab_tiles < n_vtiles:
+            # A whole number of tiles per split (the splits are the grid's waves of equal programs).
+            slab_tiles = min(n_vtiles, round(slab_tiles / max_splits) * max_splits)
     slab = slab_tiles * cfg.BLOCK_V
     if filt:
         dE = torch.zeros(e2d.shape, dtype=f32, device=dev) if need_de else None
     else:
         dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
-    dC = torch.zeros((V, D), dtype=c.dtype, device=dev) if need_dc else None
+    # Every slab writes all of its rows of dC (no memset of V x D) unless there are no rows at all.
+    dC = (torch.empty if N > 0 else torch.zeros)((V, D), dtype=c.dtype, device=dev) if need_dc else None
     db = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
     R = torch.zeros((N, n_vtiles), dtype=f32, device=dev) if (filt and need_de) else None
     skip = None
@@ -988,26 +1069,37 @@ def linear_ce_backward_slabs(
         TD = _tensor_descriptor()
         e_desc = TD.from_tensor(E_s, [cfg.BLOCK_N, cfg.BLOCK_D])
         c_desc = TD.from_tensor(c, [cfg.BLOCK_V, cfg.BLOCK_D])
-        max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * _n_sm(dev), n_blocks))
     # The target entry's rounding remainder goes back into the fp32 dE (dC is rounded once).
     lo = torch.zeros(N, dtype=f32, device=dev) if (e2d.dtype != f32 and need_de) else None
     dummy = alpha
+    zt = None
+    if tma:
+        zt = torch.empty(N, dtype=f32, device=dev)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            _target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt)
     for t0 in range(0, n_vtiles, slab_tiles):
         nt = min(slab_tiles, n_vtiles - t0)
         v0, v1 = t0 * cfg.BLOCK_V, min(V, (t0 + nt) * cfg.BLOCK_V)
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             if tma:
                 splits = min(nt, max_splits)
-                tps = triton.cdiv(nt, splits)
-                _dz_slab_kernel[(n_blocks, triton.cdiv(nt, tps))](
+                _dz_slab_kernel[(n_blocks, splits)](
                     e_desc, c_desc, bias if bias is not None else dummy,
-                    weight if weight is not None else dummy, tgt, n_valid, lse, alpha, beta,
-                    gamma if gamma is not None else dummy, DZ, inv, lo if lo is not None else dummy,
-                    N, V, D, slab, t0, t0 + nt, tps, float(softcap),
+                    weight if weight is not None else dummy, n_valid, lse, alpha,
+                    gamma if gamma is not None else dummy, DZ, inv,
+                    N, V, D, slab, t0, t0 + nt, splits, float(softcap),
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None,
-                    HAS_WEIGHT=weight is not None, SCALE_DZ=scale is not None, TARGET_LO=lo is not None,
+                    HAS_WEIGHT=weight is not None, SCALE_DZ=scale is not None,
                     BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
                     PRECISION=_precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )  # fmt: skip
+                TB = 256
+                _dz_target_kernel[(triton.cdiv(N, TB),)](
+                    zt, tgt, n_valid, lse, alpha, beta, gamma if gamma is not None else dummy,
+                    weight if weight is not None else dummy, DZ, inv, lo if lo is not None else dummy,
+                    v0, v1, slab, float(softcap),
+                    HAS_SOFTCAP=softcap > 0, FOLD_SMOOTH=gamma is not None, HAS_WEIGHT=weight is not None,
+                    SCALE_DZ=scale is not None, TARGET_LO=lo is not None, BLOCK=TB,
                 )  # fmt: skip
             else:
                 _bwd_kernel[(n_blocks, nt)](
@@ -1168,14 +1260,96 @@ def _kept_dz_kernel(
         tl.store(ScaleBuf + k + one, scale + tl.zeros((1,), tl.float32))
 
 
+# Codes of the skipped tiles' masses: S = exp(-code / STATS_STEPS), code 255 = no mass (kept tile,
+# ignored row, or a mass carried on to the next tile). 16 steps per nat (rounding <= 3.2%
+# relative, span e^-15.9) with the rounding carried from tile to tile (see _encode_stats_kernel).
+STATS_STEPS = 16.0
+# Tiles per carry chain of _encode_stats_kernel (the chains of one row run in parallel).
+STATS_CHAIN_TILES = 128
+
+
+@triton.jit
+def _encode_stats_kernel(
+    St, Sq, M0, Lse, NValid, Code, Keep, N, n_vtiles, stride_st, chain,
+    STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """From the forward's raw statistics of one token block over one chain of tiles: which tiles
+    the backward recomputes (Keep, per block) and a uint8 code of every other tile's non-target
+    mass S_ij = exp(St_ij + M0_i - lse_i) (Code, per row).
+
+    A tile is kept if a row's bound Sq / 8 reaches lse - M0 (or is 127). The codes round
+    -log(x) to 1/STEPS nat, x = S_ij plus the rounding left over from the row's previous skipped
+    tile (error diffusion along the sorted vocabulary): each decoded mass is within 3.2% of x, and
+    the decoded masses of a chain sum to the true ones up to the last tile's carry, so the dE
+    correction sum_j S_ij mean(C_j) keeps the accuracy of its sum, not of one 8-bit code (plain
+    rounding measured 14x worse on zipf data). Chains start at zero carry.
+    """
+    pid_n = tl.program_id(0)
+    j0 = tl.program_id(1) * chain
+    n_valid = tl.load(NValid)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    m0 = tl.load(M0 + offs_n, mask=row_mask, other=0.0)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    need = tl.where(row_mask, lse - m0, float("inf"))
+    shift = m0 - lse
+    carry = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_off = offs_n.to(tl.int64) * stride_st
+    for j in range(j0, tl.minimum(j0 + chain, n_vtiles)):
+        sq = tl.load(Sq + row_off + j, mask=row_mask, other=-1).to(tl.float32)
+        st = tl.load(St + row_off + j, mask=row_mask, other=float("-inf")).to(tl.float32)
+        kr = ((sq / 8.0 >= need) | (sq >= 127.0)) & row_mask
+        keep = tl.max(kr.to(tl.int32), axis=0)
+        tl.store(Keep + pid_n * n_vtiles + j, keep.to(tl.int8))
+        x = tl.exp(st + shift) + carry  # [BLOCK_N]
+        code = tl.floor(-tl.log(tl.where(x > 0, x, 1.0)) * STEPS + 0.5)
+        code = tl.where(x > 0, tl.minimum(tl.maximum(code, 0.0), 255.0), 255.0)
+        dec = tl.where(code < 255.0, tl.exp(-code / STEPS), 0.0)
+        skip = keep == 0
+        carry = tl.where(skip, x - dec, carry)
+        code = tl.where(skip, code, 255.0)
+        tl.store(Code + row_off + j, code.to(tl.uint8), mask=offs_n < N)
+
+
+def encode_tile_stats(
+    st: torch.Tensor,
+    sq: torch.Tensor,
+    m0: torch.Tensor,
+    lse: torch.Tensor,
+    n_valid: torch.Tensor,
+    BLOCK_N: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code uint8 [N, n_tiles], keep int8 [n_blocks, n_tiles]) from linear_ce_forward's raw tile
+    statistics and the sorted rows' lse (see _encode_stats_kernel): what the sparse backward
+    keeps of them, 1 byte per (row, tile) instead of 3."""
+    N, nt = st.shape
+    nb = triton.cdiv(N, BLOCK_N)
+    code = torch.empty((N, nt), dtype=torch.uint8, device=st.device)
+    keep = torch.empty((nb, nt), dtype=torch.int8, device=st.device)
+    if N > 0 and nt > 0:
+        with torch.cuda.device(st.device) if st.is_cuda else contextlib.nullcontext():
+            _encode_stats_kernel[(nb, triton.cdiv(nt, STATS_CHAIN_TILES))](
+                st, sq, m0, lse, n_valid, code, keep, N, nt, st.stride(0), STATS_CHAIN_TILES,
+                STEPS=STATS_STEPS, BLOCK_N=BLOCK_N,
+            )  # fmt: skip
+    return code, keep
+
+
+def decode_tile_mass(code: torch.Tensor) -> torch.Tensor:
+    """The masses S of encode_tile_stats' codes, fp32 (0 for code 255)."""
+    x = code.float()
+    return torch.where(x < 255, torch.exp(-x / STATS_STEPS), 0.0)
+
+
 @triton.jit
 def _tile_means_kernel(
-    C, Perm, Cm, V, D, stride_c, stride_cm, BLOCK_V: tl.constexpr, BLOCK_DO: tl.constexpr
+    C, Perm, Cm, V, D, stride_c, stride_cm, d_lo, d_hi, BLOCK_V: tl.constexpr, BLOCK_DO: tl.constexpr
 ):  # fmt: skip
-    """Cm[j, d chunk] = mean of c's rows at positions [j BLOCK_V, (j + 1) BLOCK_V) of the order."""
+    """Cm[j, d - d_lo] = mean of c[:, d] over the rows at positions [j BLOCK_V, (j + 1) BLOCK_V)
+    of the order, for d in [d_lo, d_hi)."""
     j = tl.program_id(0)
-    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
-    dmask = offs_do < D
+    offs_do = d_lo + tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < d_hi
     offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = offs_p < V
     vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
@@ -1184,26 +1358,29 @@ def _tile_means_kernel(
     )
     cnt = tl.sum(col_mask.to(tl.float32), axis=0)
     mean = tl.sum(x.to(tl.float32), axis=0) / cnt
-    tl.store(Cm + j.to(tl.int64) * stride_cm + offs_do, mean.to(Cm.dtype.element_ty), mask=dmask)
+    tl.store(Cm + j.to(tl.int64) * stride_cm + offs_do - d_lo, mean.to(Cm.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
 def _sparse_de_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, M0, St, Keep, ListE, CntE, Cm, WC,
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, Code, ListE, CntE, Cm, WC,
     Gidx, Scratch, ScaleBuf, dE,
-    V, D, stride_e, stride_c, stride_de, stride_st, stride_cm, n_vtiles, softcap, cap,
+    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, n_vtiles, softcap, cap, chunk0,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
-    BLOCK_J: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dE[rows of one token block, one D chunk], written once in dE's dtype:
 
     sum over the block's kept tiles of dZ_tile @ C_tile (recomputed)
-    + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from the forward's St)
+    + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
     + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v].
+
+    The launch covers D chunks chunk0, chunk0 + 1, ...; Cm holds the tile means of those
+    columns only (column 0 of Cm = column chunk0 * BLOCK_DO of C).
     """
     pid_n = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    pid_d = tl.program_id(1) + chunk0
     n_valid = tl.load(NValid)
     start = pid_n * BLOCK_N
     if start >= n_valid:
@@ -1233,21 +1410,20 @@ def _sparse_de_kernel(
             C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
         )  # [BLOCK_V, BLOCK_DO]
         acc += tl.dot(dzc, c, input_precision=PRECISION) * scale
-    # Skipped tiles: S_ij = exp(St_ij + M0_i - lse_i), the tile's non-target probability mass
-    # (times softcap'), against the tile mean of C. Masses <= 1, so the operand dtype holds them.
-    m0 = tl.load(M0 + offs_n, mask=row_mask, other=0.0)
+    # Skipped tiles: S_ij = exp(-code / STEPS), the tile's non-target probability mass (times
+    # softcap'; code 255, kept tiles included: 0), against the tile mean of C. Masses <= 1, so
+    # the operand dtype holds them.
     corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
     for j0 in range(0, n_vtiles, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         jm = offs_j < n_vtiles
-        st = tl.load(
-            St + offs_n.to(tl.int64)[:, None] * stride_st + offs_j[None, :],
-            mask=row_mask[:, None] & jm[None, :], other=float("-inf"),
+        code = tl.load(
+            Code + offs_n.to(tl.int64)[:, None] * stride_code + offs_j[None, :],
+            mask=row_mask[:, None] & jm[None, :], other=255,
         ).to(tl.float32)  # fmt: skip  # [BLOCK_N, BLOCK_J]
-        kp = tl.load(Keep + pid_n * n_vtiles + offs_j, mask=jm, other=1)
-        S = tl.where((kp == 0)[None, :], tl.exp(st + (m0 - lse)[:, None]), 0.0)
+        S = tl.where(code < 255.0, tl.exp(code * (-1.0 / STEPS)), 0.0)
         cm = tl.load(
-            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
+            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + (offs_do - chunk0 * BLOCK_DO)[None, :],
             mask=jm[:, None] & dmask[None, :], other=0.0,
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
         corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
@@ -1352,7 +1528,8 @@ class SparsePlan:
     forward's tiles of the vocabulary in ``perm`` order).
 
     keep [n_blocks, n_tiles] int8; list_e [n_blocks, n_tiles + 1] / cnt_e: kept tiles per block;
-    list_c [n_tiles, n_blocks + 1] / cnt_c: kept blocks per tile; st, m0: forward tile statistics;
+    list_c [n_tiles, n_blocks + 1] / cnt_c: kept blocks per tile; code [N, n_tiles] uint8: the
+    skipped tiles' masses (encode_tile_stats);
     coef: per row, the exact target entry alpha p_t - beta (times softcap'); g [n_tiles, D] fp32
     skipped mass times e per tile, q [V]
     its spread within the tile (per position); trow / tpos / tcoef: valid rows ordered by the
@@ -1365,8 +1542,7 @@ class SparsePlan:
     cnt_e: torch.Tensor
     list_c: torch.Tensor
     cnt_c: torch.Tensor
-    st: torch.Tensor
-    m0: torch.Tensor
+    code: torch.Tensor
     coef: torch.Tensor
     g: torch.Tensor | None
     q: torch.Tensor | None
@@ -1379,6 +1555,10 @@ class SparsePlan:
     gidx: torch.Tensor  # [n_blocks, n_tiles] int32: index of each kept tile among the kept ones
     klist: torch.Tensor  # [cap + 1] int32: flat index (block * n_tiles + tile) of kept tile k < cap
     n_kept: torch.Tensor  # [1] int32
+
+
+# Bytes of the tile means of C alive at once in the sparse backward's dE pass.
+SPARSE_CM_BYTES = 1 << 20
 
 
 def _sparse_config() -> tuple[int, int, int, int, int, int]:
@@ -1398,17 +1578,26 @@ def kept_scratch_tiles(N: int, dtype: torch.dtype) -> int:
     return 2 * triton.cdiv(N, BN)
 
 
-def tile_means(c: torch.Tensor, perm: torch.Tensor, BLOCK_V: int, dtype: torch.dtype) -> torch.Tensor:
-    """[n_tiles, D] mean of c's rows over each BLOCK_V positions of ``perm``, in ``dtype``."""
+def tile_means(
+    c: torch.Tensor,
+    perm: torch.Tensor,
+    BLOCK_V: int,
+    dtype: torch.dtype,
+    d_lo: int = 0,
+    d_hi: int | None = None,
+) -> torch.Tensor:
+    """[n_tiles, d_hi - d_lo] mean of c[:, d_lo:d_hi]'s rows over each BLOCK_V positions of
+    ``perm``, in ``dtype`` (all of D by default)."""
     _check(c, c, perm)
     V, D = c.shape
+    d_hi = D if d_hi is None else d_hi
     nt = triton.cdiv(V, BLOCK_V)
-    cm = torch.empty((nt, D), dtype=dtype, device=c.device)
+    cm = torch.empty((nt, d_hi - d_lo), dtype=dtype, device=c.device)
     BDO = 32 if _interpreting() else 128
-    if V > 0:
+    if V > 0 and d_hi > d_lo:
         with torch.cuda.device(c.device) if c.device.type == "cuda" else contextlib.nullcontext():
-            _tile_means_kernel[(nt, triton.cdiv(D, BDO))](
-                c, perm, cm, V, D, c.stride(0), cm.stride(0), BLOCK_V=BLOCK_V, BLOCK_DO=BDO
+            _tile_means_kernel[(nt, triton.cdiv(d_hi - d_lo, BDO))](
+                c, perm, cm, V, D, c.stride(0), cm.stride(0), d_lo, d_hi, BLOCK_V=BLOCK_V, BLOCK_DO=BDO
             )  # fmt: skip
     return cm
 
@@ -1487,17 +1676,23 @@ def linear_ce_backward_sparse(
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
     if need_de:
         dE = torch.zeros(e2d.shape, dtype=e2d.dtype, device=dev)
-        if N > 0:
-            cm = tile_means(c, perm, BV, e2d.dtype)
+        # The tile means of C for a group of D chunks at a time: [n_tiles, group] instead of
+        # [n_tiles, D] alive next to both gradients (this is the backward's peak memory).
+        n_chunks = triton.cdiv(D, BDO_E)
+        per = max(1, min(n_chunks, SPARSE_CM_BYTES // max(1, n_vtiles * BDO_E * e2d.element_size())))
+        for k0 in range(0, n_chunks if N > 0 else 0, per):
+            k1 = min(n_chunks, k0 + per)
+            cm = tile_means(c, perm, BV, e2d.dtype, k0 * BDO_E, min(D, k1 * BDO_E))
             with ctx:
-                _sparse_de_kernel[(n_blocks, triton.cdiv(D, BDO_E))](
+                _sparse_de_kernel[(n_blocks, k1 - k0)](
                     e2d, c, bias if bias is not None else dummy, erow, tgt, perm, n_valid, lse, alpha,
-                    gamma if smooth else dummy, plan.coef, plan.m0, plan.st, plan.keep, plan.list_e,
+                    gamma if smooth else dummy, plan.coef, plan.code, plan.list_e,
                     plan.cnt_e, cm, plan.wc if smooth else dummy, plan.gidx, scratch, scalebuf, dE,
-                    V, D, e2d.stride(0), c.stride(0), dE.stride(0), plan.st.stride(0), cm.stride(0),
-                    n_vtiles, float(softcap), cap,
+                    V, D, e2d.stride(0), c.stride(0), dE.stride(0), plan.code.stride(0), cm.stride(0),
+                    n_vtiles, float(softcap), cap, k0,
                     HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
                     SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ,
-                    PRECISION=prec, num_warps=warps, num_stages=2,
+                    STEPS=STATS_STEPS, PRECISION=prec, num_warps=warps, num_stages=2,
                 )  # fmt: skip
+            del cm
     return dE, dC
