@@ -144,7 +144,9 @@ def test_encoded_tile_statistics(chain, monkeypatch):
     for j0 in range(0, nt, L):
         cols = slice(j0, min(nt, j0 + L))
         carry = (S[:, cols].cumsum(1) - dec[:, cols].cumsum(1)).abs()
-        bound = h / (1 - h) * S[:, cols].cummax(1).values + f16[:, cols].cumsum(1) + 1e-7 * S[:, cols].cumsum(1)
+        bound = (
+            h / (1 - h) * S[:, cols].cummax(1).values + f16[:, cols].cumsum(1) + 1e-7 * S[:, cols].cumsum(1)
+        )
         assert (carry <= bound + 1e-12).all(), (carry - bound).max()
     # ... and it can fail: codes one step off (6% on each mass) break it.
     off = K.decode_tile_mass((code[:n].int() + 1).clamp(max=255).to(torch.uint8)).double()
