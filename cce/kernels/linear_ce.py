@@ -357,6 +357,11 @@ FWD_PROGRAMS_PER_SM_TMA = 16
 # a buffer of about this size (Hopper has no gathering tensor copy): a transient of the forward
 # only, at ~0.07x of the matmul's time for the whole vocabulary.
 FWD_SLAB_BYTES = 64 << 20
+# ... and the sorted walk goes by descriptors from this many rows on: below, its per-slab row copies,
+# descriptors and launches (16 slabs at llama3-8b) cost more host time than the descriptors save
+# (H100, llama3-8b zipf fwd+bwd: N = 1024 11.5 -> 8.0 ms, 2048 8.6 -> 7.6 ms with pointer loads;
+# 4096 11.5 vs 11.8, 8192 19.1 vs 20.3 ms: `.gpu/s4i.py`).
+FWD_TMA_SORTED_MIN_N = 4096
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -443,9 +448,10 @@ def linear_ce_forward(
     every row's log-sum-exp there, M0, the reference of the statistics; the next launches walk
     the other tiles with the online softmax started at M0.
 
-    ``tma`` (default: ``use_tma``) reads tiles by tensor descriptors: the rows ``e2d[erow]`` are
-    gathered once into an [N, D] buffer, and a sorted vocabulary is walked in slabs of about
-    ``slab_bytes`` (default FWD_SLAB_BYTES) whose rows are gathered into a buffer first.
+    ``tma`` (default: ``use_tma``, for a sorted walk from FWD_TMA_SORTED_MIN_N rows on) reads tiles
+    by tensor descriptors: the rows ``e2d[erow]`` are gathered once into an [N, D] buffer, and a
+    sorted vocabulary is walked in slabs of about ``slab_bytes`` (default FWD_SLAB_BYTES) whose
+    rows are gathered into a buffer first.
     """
     _check(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
@@ -456,7 +462,8 @@ def linear_ce_forward(
     n_blocks = triton.cdiv(N, BN)
     n_vtiles = triton.cdiv(V, BV)
     stats = perm is not None
-    tma = use_tma(e2d, c) if tma is None else tma
+    if tma is None:
+        tma = use_tma(e2d, c) and (not stats or N >= FWD_TMA_SORTED_MIN_N)
     TD = _tensor_descriptor() if tma else None
     if tma and TD is None:
         raise ValueError("tma=True needs triton.tools.tensor_descriptor")
