@@ -597,6 +597,22 @@ def _dense_dz(
 
 
 @triton.jit
+def _round_dz(dz, DZ, InvScale, SCALE_DZ: tl.constexpr):
+    """(dz rounded to DZ's dtype, that rounding back in fp32 and unscaled, inv): with SCALE_DZ
+    (fp16) dz is stored times inv = 1 / max |alpha|, one global scale that keeps alpha p above
+    fp16's normal range; inv is 1 otherwise."""
+    if SCALE_DZ:
+        inv = tl.load(InvScale)
+        dzr = (dz * inv).to(DZ.dtype.element_ty)
+        back = dzr.to(tl.float32) / inv
+    else:
+        inv = 1.0
+        dzr = dz.to(DZ.dtype.element_ty)
+        back = dzr.to(tl.float32)
+    return dzr, back, inv
+
+
+@triton.jit
 def _store_dz(
     dz, is_t, offs_n, row_mask, offs_p, col_mask, DZ, InvScale, TLo, N, stride_dz, col0,
     SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr,
@@ -605,15 +621,7 @@ def _store_dz(
     (rounded tile, inv) with inv the fp16 scale's inverse (1 without SCALE_DZ). Rows past n_valid
     in a partly valid block are stored as zeros. TARGET_LO: the target entry's rounding remainder
     goes to TLo[row] (added back in fp32 outside)."""
-    if SCALE_DZ:
-        # fp16: one global scale (1 / max |alpha|) keeps alpha p above fp16's normal range.
-        inv = tl.load(InvScale)
-        dzr = (dz * inv).to(DZ.dtype.element_ty)
-        back = dzr.to(tl.float32) / inv
-    else:
-        inv = 1.0
-        dzr = dz.to(DZ.dtype.element_ty)
-        back = dzr.to(tl.float32)
+    dzr, back, inv = _round_dz(dz, DZ, InvScale, SCALE_DZ)
     if TARGET_LO:
         lo = tl.sum(tl.where(is_t, dz - back, 0.0), axis=1)
         row_t = tl.max(is_t.to(tl.int32), axis=1) > 0
@@ -954,13 +962,7 @@ def _dz_target_kernel(
     if HAS_SOFTCAP:
         r = zt / softcap
         v *= 1.0 - r * r
-    if SCALE_DZ:
-        inv = tl.load(InvScale)
-        vr = (v * inv).to(DZ.dtype.element_ty)
-        back = vr.to(tl.float32) / inv
-    else:
-        vr = v.to(DZ.dtype.element_ty)
-        back = vr.to(tl.float32)
+    vr, back, _inv = _round_dz(v, DZ, InvScale, SCALE_DZ)
     tl.store(DZ + offs.to(tl.int64) * stride_dz + (t - v0), vr, mask=m)
     if TARGET_LO:
         tl.store(TLo + offs, v - back, mask=m)
@@ -1173,6 +1175,25 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None) -> tor
 
 
 @triton.jit
+def _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask):
+    """(e2d row int64, target int64 (-1 masked), lse, alpha) of a token block's sorted rows."""
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    return erow, tgt, lse, alpha
+
+
+@triton.jit
+def _tile_cols(Perm, j, V, BLOCK_V: tl.constexpr):
+    """(positions, their mask, vocabulary ids int64) of tile j of the walking order Perm."""
+    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    return offs_p, col_mask, vid
+
+
+@triton.jit
 def _dz_tile(
     E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
@@ -1249,13 +1270,8 @@ def _kept_dz_kernel(
     n_valid = tl.load(NValid)
     offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
-    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
-    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
-    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
-    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = offs_p < V
-    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
+    offs_p, col_mask, vid = _tile_cols(Perm, j, V, BLOCK_V)
     dzc, scale = _dz_tile(
         E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
         HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
@@ -1357,9 +1373,7 @@ def _tile_means_kernel(
     j = tl.program_id(0)
     offs_do = d_lo + tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < d_hi
-    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = offs_p < V
-    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    offs_p, col_mask, vid = _tile_cols(Perm, j, V, BLOCK_V)
     x = tl.load(
         C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
     )
@@ -1394,19 +1408,14 @@ def _sparse_de_kernel(
         return  # ignored rows: dE stays zero
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
-    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
-    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
-    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
     offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
     acc = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
     cnt = tl.load(CntE + pid_n)
     for k in range(0, cnt):
         j = tl.load(ListE + pid_n * (n_vtiles + 1) + k)
-        offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_mask = offs_p < V
-        vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+        offs_p, col_mask, vid = _tile_cols(Perm, j, V, BLOCK_V)
         gk = tl.load(Gidx + pid_n * n_vtiles + j)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
@@ -1469,9 +1478,7 @@ def _sparse_dc_kernel(
     pid_v = tl.program_id(0)
     pid_d = tl.program_id(1)
     n_valid = tl.load(NValid)
-    offs_p = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = offs_p < V
-    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    offs_p, col_mask, vid = _tile_cols(Perm, pid_v, V, BLOCK_V)
     offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
     acc = tl.zeros((BLOCK_V, BLOCK_DO), dtype=tl.float32)
@@ -1480,10 +1487,7 @@ def _sparse_dc_kernel(
         blk = tl.load(ListC + pid_v * (n_blocks + 1) + k)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = offs_n < n_valid
-        erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
-        tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
-        lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
-        alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+        erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
         gk = tl.load(Gidx + blk * n_vtiles + pid_v)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
