@@ -85,6 +85,7 @@ def linear_ce_triton_fwd(
     z_loss: float,
     filter_eps: float,
     stats: bool = False,
+    stash: bool = False,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -93,14 +94,19 @@ def linear_ce_triton_fwd(
     torch.Tensor,
     torch.Tensor,
     torch.Tensor,
+    torch.Tensor,
 ]:
-    """(loss, lse, code, keep, tgt_logit, vperm, vscore); lse is fp32 (N,), 0 at ignored rows.
+    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash); lse is fp32 (N,), 0 at ignored rows.
 
-    With ``stats`` (a training forward whose backward is the sparse one) the remaining outputs are
-    the encoded tile statistics (K.encode_tile_stats: uint8 masses per sorted row and tile, int8
-    keep flags per token block and tile), the sorted rows' target logits, and the vocabulary order
+    With ``stats`` (a training forward whose backward is the sparse one) the next outputs are the
+    encoded tile statistics (K.encode_tile_stats: uint8 masses per sorted row and tile, int8 keep
+    flags per token block and tile), the sorted rows' target logits, and the vocabulary order
     (int32) with its scores; otherwise they are empty. The raw statistics (3 bytes per row and
-    tile) are freed here, before the backward allocates the gradients.
+    tile) are freed here, before the backward allocates the gradients. With ``stash`` (dE will
+    be needed) the last output is the uninitialised buffer the backward writes dE into (e2d's
+    shape, the kernels' dtype), and the codes live in its tail when they fit
+    (K.code_fits_stash; ``code`` is then empty): they are read before their bytes are
+    overwritten, so the statistics cost no memory beyond the gradient.
     """
     e2d, c, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
     V = c.shape[0]
@@ -116,8 +122,15 @@ def linear_ce_triton_fwd(
     lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
     ssum = None if st.ssum is None else r.unsort(st.ssum)
     if stats:
-        BN = K.stats_blocks(e2d.dtype)[0]
-        code, keep = K.encode_tile_stats(st.st, st.sq, st.m0, st.lse, r.n_valid, BN)
+        BN, BV = K.stats_blocks(e2d.dtype)
+        N, nt = r.N, -(-V // BV)
+        buf = e2d.new_empty(e2d.shape if stash else (0,))
+        in_stash = stash and K.code_fits_stash(N, nt, e2d.shape[0], e2d.shape[1], e2d.dtype)
+        code, keep = K.encode_tile_stats(
+            st.st, st.sq, st.m0, st.lse, r.n_valid, BN, code=K.stash_code(buf, N, nt) if in_stash else None
+        )
+        if in_stash:
+            code = code.new_empty(0)
         zt_s = st.tgt
     del st
     w_t = _math.target_weight(weight, targets, r.valid)
@@ -127,8 +140,11 @@ def linear_ce_triton_fwd(
     lse = torch.where(r.valid, lse, 0.0)
     if not stats:
         none = e2d.new_empty(0, dtype=torch.float32)
-        return loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone()
-    return loss, lse, code, keep, zt_s, perm.int(), score
+        return (
+            loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
+            e2d.new_empty(0),
+        )  # fmt: skip
+    return loss, lse, code, keep, zt_s, perm.int(), score, buf
 
 
 def _stats_tiles(V: int, dtype: torch.dtype) -> int:
@@ -139,21 +155,27 @@ def _stats_tiles(V: int, dtype: torch.dtype) -> int:
 @linear_ce_triton_fwd.register_fake
 def _(
     e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
-    filter_eps, stats=False,
+    filter_eps, stats=False, stash=False,
 ):  # fmt: skip
     N, V = targets.shape[0], c.shape[0]
     f32 = torch.float32
+    kdt = torch.float32 if e2d.dtype == torch.float64 else e2d.dtype
     loss = e2d.new_empty((N,) if reduction == "none" else (), dtype=f32)
     lse = e2d.new_empty((N,), dtype=f32)
     if not stats:
         none = e2d.new_empty(0, dtype=f32)
-        return loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone()
-    BN = K.stats_blocks(torch.float32 if e2d.dtype == torch.float64 else e2d.dtype)[0]
+        return (
+            loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
+            e2d.new_empty(0, dtype=kdt),
+        )  # fmt: skip
+    BN = K.stats_blocks(kdt)[0]
     nt = _stats_tiles(V, e2d.dtype)
+    in_stash = stash and K.code_fits_stash(N, nt, e2d.shape[0], e2d.shape[1], kdt)
     return (
-        loss, lse, e2d.new_empty((N, nt), dtype=torch.uint8),
+        loss, lse, e2d.new_empty((0,) if in_stash else (N, nt), dtype=torch.uint8),
         e2d.new_empty((-(-N // BN), nt), dtype=torch.int8), e2d.new_empty((N,), dtype=f32),
         e2d.new_empty((V,), dtype=torch.int32), e2d.new_empty((V,), dtype=f32),
+        e2d.new_empty(e2d.shape if stash else (0,), dtype=kdt),
     )  # fmt: skip
 
 
@@ -367,9 +389,12 @@ def _lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-    filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, *, return_plan: bool = False,
+    filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *, return_plan: bool = False,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (K.SparsePlan).
+
+    dE is written into ``stash`` (the forward's buffer, whose tail may hold the codes: then
+    ``code`` is empty) and returned; without one a new buffer is used.
 
     A tile (token block x vocabulary tile, vocabulary in vperm order) is recomputed only when
     ``keep`` says so (the forward found a non-target probability of one of its rows that may
@@ -391,8 +416,22 @@ def sparse_backward(
     alpha_s, beta_s, lse_s, t_s = srt(alpha.float()), srt(beta.float()), srt(lse), srt(r.safe_t)
     N = r.N
     BN, BV = K.stats_blocks(e2d.dtype)
+    nt = -(-V // BV)
     pos = torch.arange(N, device=dev)
     valid_s = pos < r.n_valid
+    src = None
+    if need_de:
+        if stash is None or stash.numel() == 0:
+            stash = torch.empty(e2d.shape, dtype=e2d.dtype, device=dev)
+        # dE's rows move from the sorted order to e2d's at the end: the sorted row of each e2d
+        # row, -1 for ignored rows and rows outside ``rows`` (gradient 0).
+        src = torch.full((e2d.shape[0],), -1, dtype=torch.long, device=dev)
+        src.index_copy_(0, r.erow_s, torch.where(valid_s, pos, -1))
+    else:
+        stash = None
+    code_in_stash = tuple(code.shape) != (N, nt)
+    if code_in_stash:
+        code = K.stash_code(stash, N, nt)
     # The target entries, exact: (alpha p_t - beta) softcap'(z_t); 0 at ignored rows.
     coef = alpha_s * torch.exp(zt_s - lse_s) - beta_s
     if softcap > 0:
@@ -412,8 +451,11 @@ def sparse_backward(
             wc = _weighted_rows(w, c)
     if need_dc:
         dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV)
-    # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot.
-    cap = K.kept_scratch_tiles(N, e2d.dtype)
+    # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
+    # writer (in the stash, before the codes, when there is one).
+    cap = K.kept_scratch_tiles(N, e2d.dtype) if need_dc else 0
+    if need_dc and stash is not None:
+        cap = min(cap, K.dc_stash_slots(stash, N, nt if code_in_stash else 0, BN, BV))
     kflat = keep.reshape(-1)
     gidx = (kflat.cumsum(0) - 1).to(torch.int32)
     slot = torch.where(kflat & (gidx < cap), gidx.long(), cap)
@@ -431,7 +473,7 @@ def sparse_backward(
     del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
     dE, dC = K.linear_ce_backward_sparse(
         e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
-        need_de, need_dc, release=not return_plan,
+        need_de, need_dc, stash, src, release=not return_plan,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan
@@ -476,7 +518,7 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
     return list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge
 
 
-@torch.library.custom_op("cce::linear_ce_triton_bwd_sparse", mutates_args=())
+@torch.library.custom_op("cce::linear_ce_triton_bwd_sparse", mutates_args=("stash",))
 def linear_ce_triton_bwd_sparse(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -492,6 +534,7 @@ def linear_ce_triton_bwd_sparse(
     zt: torch.Tensor,
     vperm: torch.Tensor,
     vscore: torch.Tensor,
+    stash: torch.Tensor,
     ignore_index: int,
     softcap: float,
     label_smoothing: float,
@@ -500,42 +543,48 @@ def linear_ce_triton_bwd_sparse(
     need_de: bool,
     need_dc: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dE, dC) in the dtypes of e2d, c (empty where not needed), by the sparse backward."""
+    """(dE, dC) in the dtypes of e2d, c (empty where not needed), by the sparse backward. With a
+    non-empty ``stash`` (the forward's) dE is written there (in the kernels' dtype) and the
+    returned dE is empty."""
     e_dtype, c_dtype = e2d.dtype, c.dtype
     e2d_k, c_k, bias, weight = _kernel_dtype_inputs(e2d, c, bias, weight)
+    own = stash.numel() == 0
     dE, dC = sparse_backward(
         e2d_k, c_k, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-        filter_eps, need_de, need_dc, code, keep, zt, vperm, vscore,
+        filter_eps, need_de, need_dc, code, keep, zt, vperm, vscore, None if own else stash,
     )  # fmt: skip
     return (
-        dE.to(e_dtype) if dE is not None else e2d.new_empty(0),
+        dE.to(e_dtype) if dE is not None and own else e2d.new_empty(0),
         dC.to(c_dtype) if dC is not None else c.new_empty(0),
     )
 
 
 @linear_ce_triton_bwd_sparse.register_fake
-def _(e2d, c, bias, weight, rows, targets, lse, g, h, code, keep, zt, vperm, vscore, ignore_index, softcap,
-      label_smoothing, z_loss, filter_eps, need_de, need_dc):  # fmt: skip
-    return e2d.new_empty(e2d.shape if need_de else (0,)), c.new_empty(c.shape if need_dc else (0,))
+def _(e2d, c, bias, weight, rows, targets, lse, g, h, code, keep, zt, vperm, vscore, stash, ignore_index,
+      softcap, label_smoothing, z_loss, filter_eps, need_de, need_dc):  # fmt: skip
+    own = stash.numel() == 0
+    return e2d.new_empty(e2d.shape if need_de and own else (0,)), c.new_empty(c.shape if need_dc else (0,))
 
 
 def _setup_context(ctx, inputs, output):
-    (e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, ls, z_loss, eps, stats) = inputs
-    _loss, lse, code, keep, zt, vperm, vscore = output
-    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore)
+    (e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, ls, z_loss, eps, stats, _) = (
+        inputs
+    )
+    _loss, lse, code, keep, zt, vperm, vscore, stash = output
+    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash)
     # Unused incoming gradients stay None: materialised, the statistics' would be zero-filled
     # [N, V / 256] tensors alive through the backward.
     ctx.set_materialize_grads(False)
     ctx.opts = (ignore_index, reduction, softcap, ls, z_loss, eps, stats)
-    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore)
+    ctx.save_for_backward(e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash)
 
 
 def _backward(ctx, g_loss, g_lse, *_aux):
     ignore_index, reduction, softcap, ls, z_loss, eps, stats = ctx.opts
-    e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore = ctx.saved_tensors
+    e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash = ctx.saved_tensors
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
-    nothing = (None,) * 10
+    nothing = (None,) * 11
     if not (need_de or need_dc or need_db):
         return (None, None, None, *nothing)
     valid = targets != ignore_index
@@ -547,9 +596,13 @@ def _backward(ctx, g_loss, g_lse, *_aux):
         g = _math.row_upstream(g_loss, w_t, reduction, N).contiguous()
     if stats and not need_db:
         dE, dC = linear_ce_triton_bwd_sparse(
-            e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, ignore_index,
-            softcap, ls, z_loss, eps, need_de, need_dc,
+            e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
+            ignore_index, softcap, ls, z_loss, eps, need_de, need_dc,
         )  # fmt: skip
+        if need_de and stash.numel() > 0:
+            # dE was written into the forward's stash (a second backward through this graph
+            # fails on the saved stash's version instead of reading a gradient as statistics).
+            dE = stash.to(e2d.dtype)
         db = None
     else:
         dE, dC, db = linear_ce_triton_bwd(
@@ -611,6 +664,6 @@ def linear_ce_triton(
     stats = use_sparse_backward(need_de, need_dc, need_dbias, filter_eps, softcap, label_smoothing)
     out = linear_ce_triton_fwd(
         e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
-        filter_eps, stats,
+        filter_eps, stats, stats and need_de,
     )  # fmt: skip
     return out[0], out[1]

@@ -23,6 +23,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.data import zipf_inputs
 from cce import _math, linear_cross_entropy
@@ -214,7 +216,7 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
     red = opts.get("reduction", "mean")
     eps = 2e-3
     out = linear_ce_triton_fwd(e, c, bias, None, None, t, -100, red, softcap, ls, zl, eps, True)
-    lse, code, keep, zt, vperm, vscore = out[1:]
+    lse, code, keep, zt, vperm, vscore = out[1:7]
     valid = t != -100
     w_t = _math.target_weight(None, t, valid)
     g = _math.row_upstream(torch.ones(()), w_t, red, len(t))
@@ -283,8 +285,9 @@ def test_sparse_public_api_vs_exact(dtype, opts):
 
 
 def test_scratch_and_recompute_agree(monkeypatch):
-    """A kept tile's dZ comes from the scratch (first kept_scratch_tiles of them) or is recomputed
-    by the writers: both give the same gradients, whatever the scratch size."""
+    """A kept tile's dZ comes from a scratch slot (the dC writer's first kept_scratch_tiles kept
+    tiles, the dE writer's first DE_BLOCK_SLOTS per block) or is recomputed by the writers: both
+    give the same gradients, whatever the number of slots."""
     import cce.kernels.linear_ce as K
     from cce.triton_impl import linear_ce_triton_fwd, sparse_backward
 
@@ -296,7 +299,124 @@ def test_scratch_and_recompute_agree(monkeypatch):
     dE, dC, plan = sparse_backward(*args, return_plan=True)
     cap = K.kept_scratch_tiles(64, e.dtype)
     assert 0 < cap < int(plan.n_kept)  # both sources in use
-    for slots in (0, 10**4):
+    assert int(plan.cnt_e.max()) > K.DE_BLOCK_SLOTS  # ... in the dE writer too
+    for slots, de_slots in ((0, 0), (10**4, 1), (10**4, 10**3)):
         monkeypatch.setattr(K, "kept_scratch_tiles", lambda N, dtype, s=slots: s)
+        monkeypatch.setattr(K, "DE_BLOCK_SLOTS", min(de_slots, 64))
         dE2, dC2 = sparse_backward(*args)
         assert torch.allclose(dE2, dE, rtol=1e-6, atol=1e-9) and torch.allclose(dC2, dC, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "dtype,D,shift",
+    [
+        (torch.float32, 48, False),
+        (torch.float32, 48, True),
+        (torch.float16, 40, True),
+        (torch.float32, 6, False),
+    ],
+)
+def test_stash_layout_gives_the_same_gradients(dtype, D, shift, monkeypatch):
+    """The training forward's stash (dE's buffer holding the codes in its tail, the dE pass in
+    rounds around them, the rows moved to e2d's order at the end) gives bit for bit the
+    gradients of separate buffers, with ignored rows and the shifted rows' gaps at zero; D = 6
+    leaves the codes outside the stash (they would take more than half of it)."""
+    import cce.kernels.linear_ce as K
+    from cce.triton_impl import linear_ce_triton_fwd, sparse_backward
+
+    monkeypatch.setattr(K, "STASH_MOVE_BYTES", 7 * D * 4)  # several row moves
+    n, V, eps = 96, 800, 2e-3
+    e, c, t = zipf_inputs(n, D, V, dtype=dtype, seed=3)
+    t[5::9] = -100
+    t[:20] = -100  # ignored rows ahead of valid ones: the sorted order moves rows
+    rows = None
+    if shift:
+        rows = torch.arange(n).view(2, -1)[:, :-1].reshape(-1)
+        t = t.view(2, -1)[:, 1:].reshape(-1)
+    N = t.numel()
+    nt = -(-V // K.stats_blocks(dtype)[1])
+    fits = K.code_fits_stash(N, nt, n, D, dtype)
+    assert fits == (D != 6)
+    if fits:  # the dE pass takes several rounds in the stash, then a last one aside
+        rounds = K._de_rounds(N, n, D, e.element_size(), nt, *K.stats_blocks(dtype))
+        assert len(rounds) >= 3 and rounds[0][2] is not None and rounds[-1][2] is None
+    g = torch.rand(N, generator=torch.Generator().manual_seed(0))
+    res = []
+    for stash in (False, True):
+        out = linear_ce_triton_fwd(e, c, None, None, rows, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, stash)
+        assert (out[2].numel() == 0) == (stash and fits)
+        assert out[-1].shape == ((n, D) if stash else (0,))
+        if stash:  # poison (0xff bytes: NaN) all but the codes: no unwritten byte may matter
+            raw = out[-1].view(-1).view(torch.uint8)
+            raw[: raw.numel() - (N * nt if fits else 0)] = 255
+        dE, dC = sparse_backward(
+            e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:]
+        )
+        if stash:
+            assert dE.data_ptr() == out[-1].data_ptr()  # written in place
+        res.append((dE, dC))
+    (e0, c0), (e1, c1) = res
+    assert torch.equal(e0, e1) and torch.equal(c0, c1)
+    hit = torch.zeros(n, dtype=torch.bool)
+    hit[rows if rows is not None else torch.arange(n)] = t != -100
+    assert (e1[~hit] == 0).all() and (e1[hit].abs().sum(1) > 0).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    N=st.integers(1, 3000),
+    extra=st.integers(0, 64),
+    D=st.integers(1, 5000),
+    es=st.sampled_from([2, 4]),
+    nt=st.integers(0, 1200),
+    BN=st.sampled_from([16, 128]),
+    BV=st.sampled_from([32, 128, 256]),
+)
+def test_de_rounds_cover_rows_and_never_overwrite_what_is_still_read(N, extra, D, es, nt, BN, BV):
+    """K._de_rounds: the rounds cover the sorted rows in order, block-aligned; a round's scratch
+    (aligned, past its rows) ends before the codes of the rows not yet written, so neither its
+    dE rows nor its scratch touch a byte still to be read."""
+    import cce.kernels.linear_ce as K
+
+    M = N + extra
+    code = nt if 2 * N * nt <= M * D * es else 0  # K.code_fits_stash
+    rounds = K._de_rounds(N, M, D, es, code, BN, BV)
+    assert rounds[0][0] == 0 and rounds[-1][1] == N
+    assert all(o is not None for *_, o in rounds[:-1])
+    for (a, b, off), nxt in zip(rounds, rounds[1:] + [(N, N, None)], strict=True):
+        assert a % BN == 0 and a < b and nxt[0] == b
+        if off is not None:
+            assert off % K._STASH_ALIGN == 0 and off >= b * D
+            slots = K.DE_BLOCK_SLOTS * -(-(b - a) // BN)
+            assert (off + slots * BN * BV) * es <= M * D * es - (N - a) * code
+    # Each round leaves at most ~2/3 of the rows to the next when the codes and the scratch of a
+    # row take at most half of its dE each (H100: D >= 768, 512 scratch elements per row).
+    if 2 * code <= D * es and 2 * K.DE_BLOCK_SLOTS * BV <= D:
+        assert len(rounds) <= 3 + math.ceil(math.log(max(N / BN, 1), 1.5))
+
+
+def test_stash_second_backward_raises():
+    """The stash holds dE after the backward: a second backward through the same graph raises
+    (autograd's saved-tensor version check) instead of reading a gradient as statistics."""
+    e, c, t = zipf_inputs(32, 48, 300, dtype=torch.float32, seed=1)
+    e.requires_grad_()
+    loss = linear_cross_entropy(e, c, t, impl="triton", filter_eps=2e-3)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+def test_rows_move_to_e2d_order(monkeypatch):
+    """K._to_e_rows: in place, row r <- row src[r] (0 where src[r] < 0) for src[r] <= r, through
+    bounded temporaries (forced small here)."""
+    import cce.kernels.linear_ce as K
+
+    gen = torch.Generator().manual_seed(0)
+    for M, D in ((1, 3), (37, 5), (64, 8)):
+        monkeypatch.setattr(K, "STASH_MOVE_BYTES", 4 * D * 5)
+        keep = torch.rand(M, generator=gen) < 0.6
+        src = torch.where(keep, torch.cumsum(keep, 0) - 1, -1)  # valid-first order of kept rows
+        x = torch.randn(M, D, generator=gen)
+        want = torch.where(keep[:, None], x[src.clamp(min=0)], 0.0)
+        K._to_e_rows(x, src)
+        assert torch.equal(x, want)

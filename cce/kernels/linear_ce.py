@@ -1253,20 +1253,13 @@ def _kept_dz(
 
 
 @triton.jit
-def _kept_dz_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, KList, NKept, Scratch, ScaleBuf,
-    V, D, stride_e, stride_c, n_vtiles, softcap,
+def _kept_dz_to_slot(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf, blk, j, slot,
+    V, D, stride_e, stride_c, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program k: the dZ tile of the k-th kept tile, once, into its scratch slot (the writers
-    below read it once per D chunk instead of recomputing it)."""
-    k = tl.program_id(0)
-    if k >= tl.load(NKept):
-        return
-    flat = tl.load(KList + k)
-    blk = flat // n_vtiles
-    j = flat % n_vtiles
+    """The dZ tile (token block blk, vocabulary tile j) into scratch slot ``slot``."""
     n_valid = tl.load(NValid)
     offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
@@ -1277,10 +1270,52 @@ def _kept_dz_kernel(
         HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
     offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-    tl.store(Scratch + k.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs, dzc)
+    tl.store(Scratch + slot.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs, dzc)
     if SCALE_DZ:
         one = tl.arange(0, 1)
-        tl.store(ScaleBuf + k + one, scale + tl.zeros((1,), tl.float32))
+        tl.store(ScaleBuf + slot + one, scale + tl.zeros((1,), tl.float32))
+
+
+@triton.jit
+def _kept_dz_kernel(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, KList, NKept, Scratch, ScaleBuf,
+    V, D, stride_e, stride_c, n_vtiles, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program k: the dZ tile of the k-th kept tile (in (block, tile) order), once, into scratch
+    slot k (the dC writer reads it once per D chunk instead of recomputing it)."""
+    k = tl.program_id(0)
+    if k >= tl.load(NKept):
+        return
+    flat = tl.load(KList + k)
+    _kept_dz_to_slot(
+        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf,
+        flat // n_vtiles, flat % n_vtiles, k, V, D, stride_e, stride_c, softcap,
+        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def _kept_dz_block_kernel(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, ListE, CntE, Scratch, ScaleBuf,
+    V, D, stride_e, stride_c, n_vtiles, softcap, blk0,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (b, s): the s-th kept tile of token block blk0 + b into slot b * n_slots + s
+    (the dE writer's per-block slots; the block's later kept tiles are recomputed there)."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    blk = blk0 + b
+    if s >= tl.load(CntE + blk):
+        return
+    j = tl.load(ListE + blk * (n_vtiles + 1) + s)
+    _kept_dz_to_slot(
+        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf,
+        blk, j, b * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap,
+        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    )  # fmt: skip
 
 
 # Codes of the skipped tiles' masses: S = exp(-code / STATS_STEPS), code 255 = no mass (kept tile,
@@ -1293,7 +1328,7 @@ STATS_CHAIN_TILES = 128
 
 @triton.jit
 def _encode_stats_kernel(
-    St, Sq, M0, Lse, NValid, Code, Keep, N, n_vtiles, stride_st, chain,
+    St, Sq, M0, Lse, NValid, Code, Keep, N, n_vtiles, stride_st, stride_code, chain,
     STEPS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """From the forward's raw statistics of one token block over one chain of tiles: which tiles
@@ -1318,6 +1353,7 @@ def _encode_stats_kernel(
     shift = m0 - lse
     carry = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_off = offs_n.to(tl.int64) * stride_st
+    code_off = offs_n.to(tl.int64) * stride_code
     for j in range(j0, tl.minimum(j0 + chain, n_vtiles)):
         sq = tl.load(Sq + row_off + j, mask=row_mask, other=-1).to(tl.float32)
         st = tl.load(St + row_off + j, mask=row_mask, other=float("-inf")).to(tl.float32)
@@ -1331,7 +1367,7 @@ def _encode_stats_kernel(
         skip = keep == 0
         carry = tl.where(skip, x - dec, carry)
         code = tl.where(skip, code, 255.0)
-        tl.store(Code + row_off + j, code.to(tl.uint8), mask=offs_n < N)
+        tl.store(Code + code_off + j, code.to(tl.uint8), mask=offs_n < N)
 
 
 def encode_tile_stats(
@@ -1341,18 +1377,25 @@ def encode_tile_stats(
     lse: torch.Tensor,
     n_valid: torch.Tensor,
     BLOCK_N: int,
+    code: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(code uint8 [N, n_tiles], keep int8 [n_blocks, n_tiles]) from linear_ce_forward's raw tile
     statistics and the sorted rows' lse (see _encode_stats_kernel): what the sparse backward
-    keeps of them, 1 byte per (row, tile) instead of 3."""
+    keeps of them, 1 byte per (row, tile) instead of 3. ``code``: where to write the codes (rows
+    of stride >= n_tiles, e.g. the tail of a gradient stash), a new tensor by default."""
     N, nt = st.shape
     nb = triton.cdiv(N, BLOCK_N)
-    code = torch.empty((N, nt), dtype=torch.uint8, device=st.device)
+    if code is None:
+        code = torch.empty((N, nt), dtype=torch.uint8, device=st.device)
+    if code.shape != (N, nt) or code.dtype != torch.uint8 or (nt > 1 and code.stride(1) != 1):
+        raise ValueError(
+            f"code must be uint8 {(N, nt)} with unit column stride, got {code.dtype} {code.shape}"
+        )
     keep = torch.empty((nb, nt), dtype=torch.int8, device=st.device)
     if N > 0 and nt > 0:
         with torch.cuda.device(st.device) if st.is_cuda else contextlib.nullcontext():
             _encode_stats_kernel[(nb, triton.cdiv(nt, STATS_CHAIN_TILES))](
-                st, sq, m0, lse, n_valid, code, keep, N, nt, st.stride(0), STATS_CHAIN_TILES,
+                st, sq, m0, lse, n_valid, code, keep, N, nt, st.stride(0), code.stride(0), STATS_CHAIN_TILES,
                 STEPS=STATS_STEPS, BLOCK_N=BLOCK_N,
             )  # fmt: skip
     return code, keep
@@ -1385,27 +1428,30 @@ def _tile_means_kernel(
 @triton.jit
 def _sparse_de_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, Code, ListE, CntE, Cm, WC,
-    Gidx, Scratch, ScaleBuf, dE,
-    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, n_vtiles, softcap, cap, chunk0,
+    Scratch, ScaleBuf, dE,
+    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, n_vtiles, softcap, blk0, code_row0,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, SCALE_DZ: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
-    BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
+    N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dE[rows of one token block, one D chunk], written once in dE's dtype:
+    """dE[sorted rows of token block blk0 + program_id(0), one D chunk], written once in dE's
+    dtype at the sorted rows (the caller moves them to e2d's rows):
 
-    sum over the block's kept tiles of dZ_tile @ C_tile (recomputed)
+    sum over the block's kept tiles of dZ_tile @ C_tile (the first N_SLOTS from the scratch
+    slots of _kept_dz_block_kernel, the others recomputed)
     + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
     + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v].
 
-    The launch covers D chunks chunk0, chunk0 + 1, ...; Cm holds the tile means of those
-    columns only (column 0 of Cm = column chunk0 * BLOCK_DO of C).
+    Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
     """
-    pid_n = tl.program_id(0)
-    pid_d = tl.program_id(1) + chunk0
+    pid_b = tl.program_id(0)
+    pid_n = blk0 + pid_b
+    pid_d = tl.program_id(1)
+    cap = tl.num_programs(0) * N_SLOTS
     n_valid = tl.load(NValid)
     start = pid_n * BLOCK_N
     if start >= n_valid:
-        return  # ignored rows: dE stays zero
+        return
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
     erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
@@ -1416,7 +1462,7 @@ def _sparse_de_kernel(
     for k in range(0, cnt):
         j = tl.load(ListE + pid_n * (n_vtiles + 1) + k)
         offs_p, col_mask, vid = _tile_cols(Perm, j, V, BLOCK_V)
-        gk = tl.load(Gidx + pid_n * n_vtiles + j)
+        gk = tl.where(k < N_SLOTS, pid_b * N_SLOTS + k, cap)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
             E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
@@ -1434,12 +1480,12 @@ def _sparse_de_kernel(
         offs_j = j0 + tl.arange(0, BLOCK_J)
         jm = offs_j < n_vtiles
         code = tl.load(
-            Code + offs_n.to(tl.int64)[:, None] * stride_code + offs_j[None, :],
+            Code + (offs_n - code_row0).to(tl.int64)[:, None] * stride_code + offs_j[None, :],
             mask=row_mask[:, None] & jm[None, :], other=255,
         ).to(tl.float32)  # fmt: skip  # [BLOCK_N, BLOCK_J]
         S = tl.where(code < 255.0, tl.exp(code * (-1.0 / STEPS)), 0.0)
         cm = tl.load(
-            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + (offs_do - chunk0 * BLOCK_DO)[None, :],
+            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
             mask=jm[:, None] & dmask[None, :], other=0.0,
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
         corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
@@ -1454,7 +1500,7 @@ def _sparse_de_kernel(
         wc = tl.load(WC + offs_do, mask=dmask, other=0.0)
         acc -= gamma[:, None] * wc[None, :]
     tl.store(
-        dE + erow[:, None] * stride_de + offs_do[None, :], acc.to(dE.dtype.element_ty),
+        dE + offs_n.to(tl.int64)[:, None] * stride_de + offs_do[None, :], acc.to(dE.dtype.element_ty),
         mask=row_mask[:, None] & dmask[None, :],
     )  # fmt: skip
 
@@ -1568,10 +1614,6 @@ class SparsePlan:
     n_kept: torch.Tensor  # [1] int32
 
 
-# Bytes of the tile means of C alive at once in the sparse backward's dE pass.
-SPARSE_CM_BYTES = 1 << 20
-
-
 def _sparse_config() -> tuple[int, int, int, int, int, int]:
     """(BLOCK_D of the recompute, BLOCK_DO of dE and of dC, BLOCK_J, BLOCK_R, num_warps).
 
@@ -1583,10 +1625,82 @@ def _sparse_config() -> tuple[int, int, int, int, int, int]:
 
 
 def kept_scratch_tiles(N: int, dtype: torch.dtype) -> int:
-    """Scratch slots for kept dZ tiles: two per token block (LM-like data keeps about one, the
-    head of the sorted vocabulary); kept tiles past them are recomputed by the writers."""
+    """Scratch slots for the dC writer's kept dZ tiles when they cannot live in the gradient stash:
+    two per token block (LM-like data keeps about one, the head of the sorted vocabulary); kept
+    tiles past them are recomputed by the writer."""
     BN = _config(dtype, "fwd").BLOCK_N
     return 2 * triton.cdiv(N, BN)
+
+
+# Scratch slots per token block of the dE writer (its block's first kept tiles; later ones are
+# recomputed once per D chunk).
+DE_BLOCK_SLOTS = 2
+# The dE pass ends with one round on separate buffers once at most this many token blocks remain.
+DE_FINAL_BLOCKS = 1 if _interpreting() else 4
+# Bytes of the temporary that moves dE rows from the sorted order to e2d's.
+STASH_MOVE_BYTES = 8 << 20
+# Element alignment of scratch regions inside the stash (16-byte aligned tiles).
+_STASH_ALIGN = 64
+
+
+def code_fits_stash(n_rows: int, n_vtiles: int, stash_rows: int, D: int, dtype: torch.dtype) -> bool:
+    """Whether the training forward puts the tile codes (n_rows x n_vtiles bytes) in the tail of the
+    dE stash ([stash_rows, D] of ``dtype``): when they take at most half of it, so that the dE
+    pass can write around them in a few rounds (see _de_rounds)."""
+    return 2 * n_rows * n_vtiles <= stash_rows * D * torch.empty((), dtype=dtype).element_size()
+
+
+def stash_code(stash: torch.Tensor, n_rows: int, n_vtiles: int) -> torch.Tensor:
+    """The codes in the stash's tail: its last n_rows * n_vtiles bytes as uint8 [n_rows, n_vtiles]."""
+    raw = stash.view(-1).view(torch.uint8)
+    return raw[raw.numel() - n_rows * n_vtiles :].view(n_rows, n_vtiles)
+
+
+def dc_stash_slots(
+    stash: torch.Tensor, n_rows: int, code_bytes_per_row: int, BLOCK_N: int, BLOCK_V: int
+) -> int:
+    """dZ tiles of the dC writer that fit in the stash before the codes (0 without a stash)."""
+    if stash.numel() == 0:
+        return 0
+    free = stash.numel() * stash.element_size() - n_rows * code_bytes_per_row
+    return max(0, free // (BLOCK_N * BLOCK_V * stash.element_size()))
+
+
+def _de_rounds(N: int, M: int, D: int, es: int, code_bytes: int, BN: int, BV: int) -> list:
+    """The dE pass in rounds of sorted rows [a, b) written into the stash (M x D elements of es
+    bytes), each with its scratch slots in the stash past row b and before the codes still to be
+    read (code_bytes per row in the tail, 0 when the codes are elsewhere): [(a, b, off)], off the
+    scratch's element offset, None for the last round (separate code copy and scratch). Each
+    round leaves a fraction ~ (code_bytes + 2 BV es) / (D es + 2 BV es) of the rows to the next."""
+    rounds = []
+    slot = DE_BLOCK_SLOTS * BN * BV
+    a = 0
+    while a < N:
+        rem = N - a
+        lim = (M * D * es - rem * code_bytes) // es  # elements before the codes of rows >= a
+        n = (lim - _STASH_ALIGN - a * D) // (BN * D + slot) if rem > DE_FINAL_BLOCKS * BN else 0
+        n = min(n, triton.cdiv(rem, BN))
+        if n < 1:
+            rounds.append((a, N, None))
+            break
+        b = min(N, a + n * BN)
+        rounds.append((a, b, -(-b * D // _STASH_ALIGN) * _STASH_ALIGN))
+        a = b
+    return rounds
+
+
+def _to_e_rows(stash: torch.Tensor, src: torch.Tensor) -> None:
+    """In place: stash row r <- stash row src[r] (0 where src[r] < 0). Needs src[r] <= r (the
+    valid-first order of increasing e2d rows); moves blocks of rows from the last one down
+    through a bounded temporary, so a block's sources are never overwritten before they are read."""
+    M, D = stash.shape
+    step = max(1, STASH_MOVE_BYTES // max(1, D * stash.element_size()))
+    for r1 in range(M, 0, -step):
+        r0 = max(0, r1 - step)
+        s = src[r0:r1]
+        tmp = stash.index_select(0, s.clamp(min=0))
+        tmp.masked_fill_((s < 0)[:, None], 0)
+        stash[r0:r1] = tmp
 
 
 def tile_means(
@@ -1629,16 +1743,23 @@ def linear_ce_backward_sparse(
     softcap: float,
     need_de: bool,
     need_dc: bool,
+    stash: torch.Tensor | None = None,
+    src: torch.Tensor | None = None,
     release: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dE in e2d's dtype and shape, dC in c's dtype), each written once by its kernel.
+    """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
+    codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
 
     No fp32 gradient accumulators and no atomics: one program owns a (token block, D chunk) of dE
-    or a (vocabulary tile, D chunk) of dC. Kept tiles' dZ are computed once into a scratch (past
-    its slots, once per D chunk); the skipped tiles enter through the forward's statistics.
-    gamma (smoothing without softcap) is given with plan.wc / plan.ge. dC is written first; with
-    ``release`` the plan's dC-only tensors are dropped then, before dE and the tile means of C
-    are allocated (lower peak memory).
+    or a (vocabulary tile, D chunk) of dC. The skipped tiles enter through the forward's
+    statistics; kept tiles' dZ are computed once into a scratch (past its slots, once per D chunk).
+    dC is written first, its scratch in the stash (plan.klist numbers its slots). The dE pass
+    then runs in rounds of sorted rows (_de_rounds) whose scratch sits in the stash past the
+    round's rows and before the codes still to be read; at the end the rows are moved to e2d's
+    order (src: sorted row of each e2d row, -1 for rows whose gradient is 0). So nothing of
+    O(N) bytes per row is allocated besides the gradients. gamma (smoothing without softcap) is
+    given with plan.wc / plan.ge. With ``release`` the plan's dC-only tensors are dropped once dC
+    is written.
     """
     _check(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma)
     N = erow.numel()
@@ -1652,27 +1773,36 @@ def linear_ce_backward_sparse(
     smooth = gamma is not None
     scale_dz = e2d.dtype == torch.float16
     prec = _precision(e2d.dtype)
-    dE = dC = None
     ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-    cap = kept_scratch_tiles(N, dtype=e2d.dtype)
-    scratch = torch.empty((cap, BN, BV), dtype=e2d.dtype, device=dev)
-    scalebuf = torch.empty(cap if scale_dz else 1, dtype=torch.float32, device=dev)
-    if N > 0 and cap > 0:
-        with ctx:
-            _kept_dz_kernel[(cap,)](
-                e2d, c, bias if bias is not None else dummy, erow, tgt, perm, n_valid, lse, alpha,
-                plan.klist, plan.n_kept, scratch, scalebuf,
-                V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap),
-                HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, SCALE_DZ=scale_dz,
-                BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
+    common = dict(
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, SCALE_DZ=scale_dz,
+        BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
+    )  # fmt: skip
+    bias_arg = bias if bias is not None else dummy
+    if need_de:
+        if stash is None or src is None or stash.shape != e2d.shape or stash.dtype != e2d.dtype:
+            raise ValueError("need_de needs a stash of e2d's shape and dtype and its row map src")
+        code_in_stash = _shares_memory(plan.code, stash)
+    dE = dC = None
     if need_dc:
+        cap = plan.klist.numel() - 1
+        if need_de and cap > 0:
+            scratch = stash.view(-1)[: cap * BN * BV].view(cap, BN, BV)
+        else:
+            scratch = torch.empty((cap, BN, BV), dtype=e2d.dtype, device=dev)
+        scalebuf = torch.empty(cap if scale_dz else 1, dtype=torch.float32, device=dev)
+        if N > 0 and cap > 0:
+            with ctx:
+                _kept_dz_kernel[(cap,)](
+                    e2d, c, bias_arg, erow, tgt, perm, n_valid, lse, alpha, plan.klist, plan.n_kept,
+                    scratch, scalebuf, V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap),
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                )  # fmt: skip
         dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
         if V > 0:
             with ctx:
                 _sparse_dc_kernel[(n_vtiles, triton.cdiv(D, BDO_C))](
-                    e2d, c, bias if bias is not None else dummy, weight if weight is not None else dummy,
+                    e2d, c, bias_arg, weight if weight is not None else dummy,
                     erow, tgt, perm, n_valid, lse, alpha, plan.list_c, plan.cnt_c, plan.seg, plan.trow,
                     plan.tpos, plan.tcoef, plan.q, plan.g, plan.ge if smooth else dummy,
                     plan.gidx, scratch, scalebuf, dC,
@@ -1683,27 +1813,54 @@ def linear_ce_backward_sparse(
                     BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR,
                     PRECISION=prec, num_warps=warps, num_stages=2,
                 )  # fmt: skip
+        del scratch, scalebuf
     if release:
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
+        plan.gidx = plan.klist = None
     if need_de:
-        dE = torch.zeros(e2d.shape, dtype=e2d.dtype, device=dev)
-        # The tile means of C for a group of D chunks at a time: [n_tiles, group] instead of
-        # [n_tiles, D] alive next to both gradients (this is the backward's peak memory).
-        n_chunks = triton.cdiv(D, BDO_E)
-        per = max(1, min(n_chunks, SPARSE_CM_BYTES // max(1, n_vtiles * BDO_E * e2d.element_size())))
-        for k0 in range(0, n_chunks if N > 0 else 0, per):
-            k1 = min(n_chunks, k0 + per)
-            cm = tile_means(c, perm, BV, e2d.dtype, k0 * BDO_E, min(D, k1 * BDO_E))
-            with ctx:
-                _sparse_de_kernel[(n_blocks, k1 - k0)](
-                    e2d, c, bias if bias is not None else dummy, erow, tgt, perm, n_valid, lse, alpha,
-                    gamma if smooth else dummy, plan.coef, plan.code, plan.list_e,
-                    plan.cnt_e, cm, plan.wc if smooth else dummy, plan.gidx, scratch, scalebuf, dE,
-                    V, D, e2d.stride(0), c.stride(0), dE.stride(0), plan.code.stride(0), cm.stride(0),
-                    n_vtiles, float(softcap), cap, k0,
-                    HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
-                    SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ,
-                    STEPS=STATS_STEPS, PRECISION=prec, num_warps=warps, num_stages=2,
-                )  # fmt: skip
+        S = DE_BLOCK_SLOTS
+        M = e2d.shape[0]
+        es = e2d.element_size()
+        if N > 0:
+            # The tile means of C, all of D: [n_tiles, D], O(V D / BLOCK_V), alive through the pass.
+            cm = tile_means(c, perm, BV, e2d.dtype)
+            flat = stash.view(-1)
+            for a, b, off in _de_rounds(N, M, D, es, n_vtiles if code_in_stash else 0, BN, BV):
+                nblk = triton.cdiv(b - a, BN)
+                code, row0 = plan.code, 0
+                if off is None:  # the last round: its rows' codes and scratch away from the stash
+                    if code_in_stash:
+                        code, row0 = plan.code[a:].clone(), a
+                    scratch = torch.empty((nblk * S, BN, BV), dtype=e2d.dtype, device=dev)
+                else:
+                    scratch = flat[off : off + nblk * S * BN * BV].view(nblk * S, BN, BV)
+                scalebuf = torch.empty(nblk * S if scale_dz else 1, dtype=torch.float32, device=dev)
+                with ctx:
+                    if S > 0:
+                        _kept_dz_block_kernel[(nblk, S)](
+                            e2d, c, bias_arg, erow, tgt, perm, n_valid, lse, alpha, plan.list_e, plan.cnt_e,
+                            scratch, scalebuf, V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap),
+                            a // BN, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                        )  # fmt: skip
+                    _sparse_de_kernel[(nblk, triton.cdiv(D, BDO_E))](
+                        e2d, c, bias_arg, erow, tgt, perm, n_valid, lse, alpha,
+                        gamma if smooth else dummy, plan.coef, code, plan.list_e,
+                        plan.cnt_e, cm, plan.wc if smooth else dummy, scratch, scalebuf, stash,
+                        V, D, e2d.stride(0), c.stride(0), stash.stride(0), code.stride(0), cm.stride(0),
+                        n_vtiles, float(softcap), a // BN, row0,
+                        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
+                        SCALE_DZ=scale_dz, N_SLOTS=S, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_E,
+                        BLOCK_J=BJ, STEPS=STATS_STEPS, PRECISION=prec, num_warps=warps, num_stages=2,
+                    )  # fmt: skip
+                del scratch, scalebuf, code
             del cm
+        _to_e_rows(stash, src)
+        dE = stash
     return dE, dC
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return b0 <= a0 < b0 + b.numel() * b.element_size()
