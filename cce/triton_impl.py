@@ -452,10 +452,8 @@ def sparse_backward(
     if need_dc:
         dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV)
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
-    # writer (in the stash, before the codes, when there is one).
+    # writer (in the stash, when there is one; fewer if it has no room for them).
     cap = K.kept_scratch_tiles(N, e2d.dtype) if need_dc else 0
-    if need_dc and stash is not None:
-        cap = min(cap, K.dc_stash_slots(stash, N, nt if code_in_stash else 0, BN, BV))
     kflat = keep.reshape(-1)
     gidx = (kflat.cumsum(0) - 1).to(torch.int32)
     slot = torch.where(kflat & (gidx < cap), gidx.long(), cap)

@@ -319,8 +319,9 @@ def test_scratch_and_recompute_agree(monkeypatch):
 def test_stash_layout_gives_the_same_gradients(dtype, D, shift, monkeypatch):
     """The training forward's stash (dE's buffer holding the codes in its tail, the dE pass in
     rounds around them, the rows moved to e2d's order at the end) gives bit for bit the
-    gradients of separate buffers, with ignored rows and the shifted rows' gaps at zero; D = 6
-    leaves the codes outside the stash (they would take more than half of it)."""
+    gradients of separate buffers, with ignored rows and the shifted rows' gaps at zero. D = 128
+    (fp32) also holds the dE writer's kept-tile slots in the stash; D = 6 not even the codes
+    (they would take more than half of it)."""
     import cce.kernels.linear_ce as K
     from cce.triton_impl import linear_ce_triton_fwd, sparse_backward
 
@@ -337,9 +338,14 @@ def test_stash_layout_gives_the_same_gradients(dtype, D, shift, monkeypatch):
     nt = -(-V // K.stats_blocks(dtype)[1])
     fits = K.code_fits_stash(N, nt, n, D, dtype)
     assert fits == (D != 6)
-    if fits:  # the dE pass takes several rounds in the stash, then a last one aside
-        rounds = K._de_rounds(N, n, D, e.element_size(), nt, *K.stats_blocks(dtype))
-        assert len(rounds) >= 3 and rounds[0][2] is not None and rounds[-1][2] is None
+    BN, BV = K.stats_blocks(dtype)
+    slot0, _, protect = K._stash_layout(
+        N, n, D, e.element_size(), nt if fits else 0, BN, BV, K.DE_BLOCK_SLOTS
+    )
+    assert (slot0 is not None) == (D == 128)
+    rounds = K._de_rounds(N, D, BN, protect)
+    if D >= 48:  # the dE pass takes several rounds in place, then a last one on copies
+        assert len(rounds) >= 2 and not rounds[0][2] and (rounds[-1][2] or shift), rounds
     g = torch.rand(N, generator=torch.Generator().manual_seed(0))
     res = []
     for stash in (False, True):
@@ -371,27 +377,38 @@ def test_stash_layout_gives_the_same_gradients(dtype, D, shift, monkeypatch):
     nt=st.integers(0, 1200),
     BN=st.sampled_from([16, 128]),
     BV=st.sampled_from([32, 128, 256]),
+    S=st.sampled_from([0, 1, 2]),
 )
-def test_de_rounds_cover_rows_and_never_overwrite_what_is_still_read(N, extra, D, es, nt, BN, BV):
-    """K._de_rounds: the rounds cover the sorted rows in order, block-aligned; a round's scratch
-    (aligned, past its rows) ends before the codes of the rows not yet written, so neither its
-    dE rows nor its scratch touch a byte still to be read."""
+def test_stash_rounds_never_overwrite_what_is_still_read(N, extra, D, es, nt, BN, BV, S):
+    """K._stash_layout / K._de_rounds: the slots (aligned) lie before the codes, which end the
+    stash; the rounds cover the sorted rows in order, in whole blocks; a round in place writes
+    no element that its rows or later ones still read (protect), the last one may (it reads
+    copies) only when few blocks or rounds remain or no block would fit."""
     import cce.kernels.linear_ce as K
 
     M = N + extra
-    code = nt if 2 * N * nt <= M * D * es else 0  # K.code_fits_stash
-    rounds = K._de_rounds(N, M, D, es, code, BN, BV)
+    T = M * D * es
+    code = nt if K.code_fits_stash(N, nt, M, D, torch.float16 if es == 2 else torch.float32) else 0
+    slot0, code_lo, protect = K._stash_layout(N, M, D, es, code, BN, BV, S)
+    assert code_lo * es <= T - N * code
+    if slot0 is not None:
+        assert slot0 >= 0 and slot0 % K._STASH_ALIGN == 0
+        assert slot0 + -(-N // BN) * S * BN * BV <= code_lo
+    rounds = K._de_rounds(N, D, BN, protect)
     assert rounds[0][0] == 0 and rounds[-1][1] == N
-    assert all(o is not None for *_, o in rounds[:-1])
-    for (a, b, off), nxt in zip(rounds, rounds[1:] + [(N, N, None)], strict=True):
-        assert a % BN == 0 and a < b and nxt[0] == b
-        if off is not None:
-            assert off % K._STASH_ALIGN == 0 and off >= b * D
-            slots = K.DE_BLOCK_SLOTS * -(-(b - a) // BN)
-            assert (off + slots * BN * BV) * es <= M * D * es - (N - a) * code
-    # Each round leaves at most ~2/3 of the rows to the next when the codes and the scratch of a
-    # row take at most half of its dE each (H100: D >= 768, 512 scratch elements per row).
-    if 2 * code <= D * es and 2 * K.DE_BLOCK_SLOTS * BV <= D:
+    assert all(not last for *_, last in rounds[:-1])
+    for a, b, last in rounds:
+        assert a % BN == 0 and a < b and (b == N or b % BN == 0)
+        if not last:
+            assert b * D <= protect(a)  # in place: the rows written end before what is still read
+        else:
+            few = N - a <= K.DE_FINAL_BLOCKS * BN or len(rounds) == K.DE_MAX_ROUNDS
+            assert few or (a + BN) * D > protect(a)
+    for (_, b, _), (a, _, _) in zip(rounds, rounds[1:], strict=False):
+        assert a == b
+    # Each round leaves at most ~2/3 of the rows to the next when the codes and the slots of a
+    # row take at most a third of its dE (H100 bf16, BV = 256, S = 2: D >= 1536 + codes).
+    if 3 * (code + S * BV * es) <= D * es:
         assert len(rounds) <= 3 + math.ceil(math.log(max(N / BN, 1), 1.5))
 
 

@@ -1430,6 +1430,7 @@ def _sparse_de_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, Code, ListE, CntE, Cm, WC,
     Scratch, ScaleBuf, dE,
     V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, n_vtiles, softcap, blk0, code_row0,
+    slot_blk0, cap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, SCALE_DZ: tl.constexpr,
     N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
@@ -1438,16 +1439,14 @@ def _sparse_de_kernel(
     dtype at the sorted rows (the caller moves them to e2d's rows):
 
     sum over the block's kept tiles of dZ_tile @ C_tile (the first N_SLOTS from the scratch
-    slots of _kept_dz_block_kernel, the others recomputed)
+    slots of _kept_dz_block_kernel, block slot_blk0's first, the others recomputed)
     + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
     + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v].
 
     Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
     """
-    pid_b = tl.program_id(0)
-    pid_n = blk0 + pid_b
+    pid_n = blk0 + tl.program_id(0)
     pid_d = tl.program_id(1)
-    cap = tl.num_programs(0) * N_SLOTS
     n_valid = tl.load(NValid)
     start = pid_n * BLOCK_N
     if start >= n_valid:
@@ -1462,7 +1461,7 @@ def _sparse_de_kernel(
     for k in range(0, cnt):
         j = tl.load(ListE + pid_n * (n_vtiles + 1) + k)
         offs_p, col_mask, vid = _tile_cols(Perm, j, V, BLOCK_V)
-        gk = tl.where(k < N_SLOTS, pid_b * N_SLOTS + k, cap)
+        gk = tl.where(k < N_SLOTS, (pid_n - slot_blk0) * N_SLOTS + k, cap)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
             E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
@@ -1635,11 +1634,13 @@ def kept_scratch_tiles(N: int, dtype: torch.dtype) -> int:
 # Scratch slots per token block of the dE writer (its block's first kept tiles; later ones are
 # recomputed once per D chunk).
 DE_BLOCK_SLOTS = 2
-# The dE pass ends with one round on separate buffers once at most this many token blocks remain.
+# The dE pass ends with one round on copies once at most this many token blocks remain, or at
+# the last of at most this many rounds.
 DE_FINAL_BLOCKS = 1 if _interpreting() else 4
+DE_MAX_ROUNDS = 16
 # Bytes of the temporary that moves dE rows from the sorted order to e2d's.
 STASH_MOVE_BYTES = 8 << 20
-# Element alignment of scratch regions inside the stash (16-byte aligned tiles).
+# Element alignment of the slots inside the stash (16-byte aligned tiles).
 _STASH_ALIGN = 64
 
 
@@ -1656,35 +1657,44 @@ def stash_code(stash: torch.Tensor, n_rows: int, n_vtiles: int) -> torch.Tensor:
     return raw[raw.numel() - n_rows * n_vtiles :].view(n_rows, n_vtiles)
 
 
-def dc_stash_slots(
-    stash: torch.Tensor, n_rows: int, code_bytes_per_row: int, BLOCK_N: int, BLOCK_V: int
-) -> int:
-    """dZ tiles of the dC writer that fit in the stash before the codes (0 without a stash)."""
-    if stash.numel() == 0:
-        return 0
-    free = stash.numel() * stash.element_size() - n_rows * code_bytes_per_row
-    return max(0, free // (BLOCK_N * BLOCK_V * stash.element_size()))
+def _stash_layout(N: int, M: int, D: int, es: int, code_bytes: int, BN: int, BV: int, S: int):
+    """Where the dE pass's inputs sit in a stash of M x D elements of es bytes: (slot0, code_lo,
+    protect). The codes (code_bytes per sorted row, 0 when they are elsewhere) fill its tail from
+    element code_lo on; the S kept-tile slots per token block (BN x BV elements each) sit just
+    before them from element slot0 (None when they do not fit: a separate buffer). protect(a):
+    the first element that the rows from a on still read (their slots, then their codes)."""
+    tile = BN * BV
+    code_lo = (M * D * es - N * code_bytes) // es
+    slot0 = (code_lo - triton.cdiv(N, BN) * S * tile) // _STASH_ALIGN * _STASH_ALIGN
+    if S == 0 or slot0 < 0:
+        slot0 = None
+
+    def protect(a: int) -> int:
+        if slot0 is not None:
+            return slot0 + (a // BN) * S * tile
+        return (M * D * es - (N - a) * code_bytes) // es
+
+    return slot0, code_lo, protect
 
 
-def _de_rounds(N: int, M: int, D: int, es: int, code_bytes: int, BN: int, BV: int) -> list:
-    """The dE pass in rounds of sorted rows [a, b) written into the stash (M x D elements of es
-    bytes), each with its scratch slots in the stash past row b and before the codes still to be
-    read (code_bytes per row in the tail, 0 when the codes are elsewhere): [(a, b, off)], off the
-    scratch's element offset, None for the last round (separate code copy and scratch). Each
-    round leaves a fraction ~ (code_bytes + 2 BV es) / (D es + 2 BV es) of the rows to the next."""
-    rounds = []
-    slot = DE_BLOCK_SLOTS * BN * BV
-    a = 0
+def _de_rounds(N: int, D: int, BN: int, protect) -> list[tuple[int, int, bool]]:
+    """The dE pass as rounds of sorted rows [a, b) (whole token blocks) written in place into the
+    stash, rows of D elements: a round may write up to element protect(a), where what the rows
+    from a on still read begins (their kept-tile slots, then their codes). Each round leaves a
+    fraction ~ (slot + code bytes) / (dE bytes) per row to the next; the last one (flag True)
+    reads copies of what it needs, made first: at most DE_FINAL_BLOCKS blocks, or what is left
+    after DE_MAX_ROUNDS rounds."""
+    rounds, a = [], 0
     while a < N:
-        rem = N - a
-        lim = (M * D * es - rem * code_bytes) // es  # elements before the codes of rows >= a
-        n = (lim - _STASH_ALIGN - a * D) // (BN * D + slot) if rem > DE_FINAL_BLOCKS * BN else 0
-        n = min(n, triton.cdiv(rem, BN))
-        if n < 1:
-            rounds.append((a, N, None))
+        lim = protect(a) // max(D, 1)
+        if lim >= N:
+            rounds.append((a, N, False))
             break
-        b = min(N, a + n * BN)
-        rounds.append((a, b, -(-b * D // _STASH_ALIGN) * _STASH_ALIGN))
+        b = lim // BN * BN
+        if b <= a or N - a <= DE_FINAL_BLOCKS * BN or len(rounds) + 1 >= DE_MAX_ROUNDS:
+            rounds.append((a, N, True))
+            break
+        rounds.append((a, b, False))
         a = b
     return rounds
 
@@ -1784,10 +1794,35 @@ def linear_ce_backward_sparse(
             raise ValueError("need_de needs a stash of e2d's shape and dtype and its row map src")
         code_in_stash = _shares_memory(plan.code, stash)
     dE = dC = None
+    S = DE_BLOCK_SLOTS if need_de and N > 0 else 0
+    tile = BN * BV
+    free = e2d.numel()  # elements of the stash free for the dC writer's slots
+    if need_de:
+        # The stash's tail: [kept-tile slots of the dE writer, S per block][codes]. The slots go
+        # there when they fit, else to a separate buffer (small D).
+        flat = stash.view(-1)
+        M, es = e2d.shape[0], e2d.element_size()
+        code_bytes = n_vtiles if code_in_stash else 0
+        A0, code_lo, protect = _stash_layout(N, M, D, es, code_bytes, BN, BV, S)
+        slots_in_stash = A0 is not None
+        if slots_in_stash:
+            slots = flat[A0 : A0 + n_blocks * S * tile].view(n_blocks * S, BN, BV)
+            free = A0
+        else:
+            slots = torch.empty((n_blocks * S, BN, BV), dtype=e2d.dtype, device=dev)
+            free = code_lo
+        slot_scale = torch.empty(n_blocks * S if scale_dz else 1, dtype=torch.float32, device=dev)
+        if S > 0:
+            with ctx:
+                _kept_dz_block_kernel[(n_blocks, S)](
+                    e2d, c, bias_arg, erow, tgt, perm, n_valid, lse, alpha, plan.list_e, plan.cnt_e,
+                    slots, slot_scale, V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap), 0,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                )  # fmt: skip
     if need_dc:
-        cap = plan.klist.numel() - 1
+        cap = min(plan.klist.numel() - 1, free // tile)
         if need_de and cap > 0:
-            scratch = stash.view(-1)[: cap * BN * BV].view(cap, BN, BV)
+            scratch = stash.view(-1)[: cap * tile].view(cap, BN, BV)
         else:
             scratch = torch.empty((cap, BN, BV), dtype=e2d.dtype, device=dev)
         scalebuf = torch.empty(cap if scale_dz else 1, dtype=torch.float32, device=dev)
@@ -1818,42 +1853,32 @@ def linear_ce_backward_sparse(
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
         plan.gidx = plan.klist = None
     if need_de:
-        S = DE_BLOCK_SLOTS
-        M = e2d.shape[0]
-        es = e2d.element_size()
         if N > 0:
             # The tile means of C, all of D: [n_tiles, D], O(V D / BLOCK_V), alive through the pass.
             cm = tile_means(c, perm, BV, e2d.dtype)
-            flat = stash.view(-1)
-            for a, b, off in _de_rounds(N, M, D, es, n_vtiles if code_in_stash else 0, BN, BV):
-                nblk = triton.cdiv(b - a, BN)
-                code, row0 = plan.code, 0
-                if off is None:  # the last round: its rows' codes and scratch away from the stash
+            for a, b, last in _de_rounds(N, D, BN, protect):
+                code, row0, sl, sl_scale, sl_blk0 = plan.code, 0, slots, slot_scale, 0
+                if last:  # copies of what the rows [a, N) read in the region they write
                     if code_in_stash:
                         code, row0 = plan.code[a:].clone(), a
-                    scratch = torch.empty((nblk * S, BN, BV), dtype=e2d.dtype, device=dev)
-                else:
-                    scratch = flat[off : off + nblk * S * BN * BV].view(nblk * S, BN, BV)
-                scalebuf = torch.empty(nblk * S if scale_dz else 1, dtype=torch.float32, device=dev)
+                    sl_blk0 = a // BN
+                    sl = slots[sl_blk0 * S :]
+                    sl = sl.clone() if slots_in_stash else sl
+                    sl_scale = slot_scale[sl_blk0 * S :] if scale_dz else slot_scale
                 with ctx:
-                    if S > 0:
-                        _kept_dz_block_kernel[(nblk, S)](
-                            e2d, c, bias_arg, erow, tgt, perm, n_valid, lse, alpha, plan.list_e, plan.cnt_e,
-                            scratch, scalebuf, V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap),
-                            a // BN, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-                        )  # fmt: skip
-                    _sparse_de_kernel[(nblk, triton.cdiv(D, BDO_E))](
+                    _sparse_de_kernel[(triton.cdiv(b - a, BN), triton.cdiv(D, BDO_E))](
                         e2d, c, bias_arg, erow, tgt, perm, n_valid, lse, alpha,
                         gamma if smooth else dummy, plan.coef, code, plan.list_e,
-                        plan.cnt_e, cm, plan.wc if smooth else dummy, scratch, scalebuf, stash,
+                        plan.cnt_e, cm, plan.wc if smooth else dummy, sl, sl_scale, stash,
                         V, D, e2d.stride(0), c.stride(0), stash.stride(0), code.stride(0), cm.stride(0),
-                        n_vtiles, float(softcap), a // BN, row0,
+                        n_vtiles, float(softcap), a // BN, row0, sl_blk0, sl.shape[0],
                         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap > 0, HAS_SMOOTH=smooth,
                         SCALE_DZ=scale_dz, N_SLOTS=S, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=BD, BLOCK_DO=BDO_E,
                         BLOCK_J=BJ, STEPS=STATS_STEPS, PRECISION=prec, num_warps=warps, num_stages=2,
                     )  # fmt: skip
-                del scratch, scalebuf, code
+                del code, sl, sl_scale
             del cm
+        del slots, slot_scale
         _to_e_rows(stash, src)
         dE = stash
     return dE, dC
