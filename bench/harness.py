@@ -22,6 +22,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
 import re
 import statistics
@@ -438,7 +439,10 @@ def _gpu_name(device: torch.device) -> str:
 
 
 def _git_commit() -> str | None:
-    """The checkout's commit (+ "-dirty"), or None where there is no git repository (a copied tree)."""
+    """The checkout's commit (+ "-dirty"), or None where there is no git repository (a copied tree).
+    CCE_BENCH_COMMIT names it where the tree was copied without (or with a stale) history."""
+    if os.environ.get("CCE_BENCH_COMMIT"):
+        return os.environ["CCE_BENCH_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
