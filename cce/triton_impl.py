@@ -3,7 +3,8 @@
 Forward: the kernel reduces each valid token's logits to (lse, target logit[, weighted logit
 sum]); the loss is assembled from those by cce/_math.py. Saved for backward: e, c, bias, weight,
 rows, targets (the inputs) and lse (O(N)); for a filtered training step also the encoded tile
-statistics of the sparse backward (one byte per row and 256 classes, see use_sparse_backward).
+statistics of the sparse backward (one byte per row and 256 classes, see use_sparse_backward),
+which live in the tail of dE's buffer (the "stash") when e needs a gradient.
 
 Backward: _math.coefficients turns the upstream gradient into (alpha, beta, gamma) per row.
 Sparse path (sparse_backward): the forward's statistics decide which tiles are recomputed; dE and
@@ -47,7 +48,9 @@ def _kernel_dtype_inputs(e2d, c, bias, weight):
 
 
 class _Rows:
-    """Valid-first order of the problem rows, on the device (no host sync)."""
+    """Valid-first order of the problem rows, on the device (no host sync). ``rows`` (e2d row of
+    each problem row) must increase, as the shift of cce/linear.py makes them: the sparse
+    backward's final row move relies on sorted row <= e2d row."""
 
     def __init__(self, targets: torch.Tensor, rows: torch.Tensor | None, ignore_index: int):
         N = targets.numel()
