@@ -1711,6 +1711,7 @@ def _to_e_rows(stash: torch.Tensor, src: torch.Tensor) -> None:
         tmp = stash.index_select(0, s.clamp(min=0))
         tmp.masked_fill_((s < 0)[:, None], 0)
         stash[r0:r1] = tmp
+        del tmp  # before the next block's temporary is allocated (else two are alive at once)
 
 
 def tile_means(
