@@ -1680,10 +1680,11 @@ def _stash_layout(N: int, M: int, D: int, es: int, code_bytes: int, BN: int, BV:
 def _de_rounds(N: int, D: int, BN: int, protect) -> list[tuple[int, int, bool]]:
     """The dE pass as rounds of sorted rows [a, b) (whole token blocks) written in place into the
     stash, rows of D elements: a round may write up to element protect(a), where what the rows
-    from a on still read begins (their kept-tile slots, then their codes). Each round leaves a
-    fraction ~ (slot + code bytes) / (dE bytes) per row to the next; the last one (flag True)
-    reads copies of what it needs, made first: at most DE_FINAL_BLOCKS blocks, or what is left
-    after DE_MAX_ROUNDS rounds."""
+    from a on still read begins (their kept-tile slots, then their codes). A round frees the
+    slots of its blocks for the next (the codes of written rows stay, between the slots and the
+    codes still read), so the remainder shrinks toward ~ N codes / (dE bytes - slot bytes per
+    row) rows; the last round (flag True) reads copies of what it needs, made first: at most
+    DE_FINAL_BLOCKS blocks, that remainder, or what is left after DE_MAX_ROUNDS rounds."""
     rounds, a = [], 0
     while a < N:
         lim = protect(a) // max(D, 1)
