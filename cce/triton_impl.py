@@ -125,8 +125,8 @@ def linear_ce_triton_fwd(
     lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
     ssum = None if st.ssum is None else r.unsort(st.ssum)
     if stats:
-        BN, BV = K.stats_blocks(e2d.dtype)
-        N, nt = r.N, -(-V // BV)
+        BN = K.stats_blocks(e2d.dtype)[0]
+        N, nt = r.N, _stats_tiles(V, e2d.dtype)
         buf = e2d.new_empty(e2d.shape if stash else (0,))
         in_stash = stash and K.code_fits_stash(N, nt, e2d.shape[0], e2d.shape[1], e2d.dtype)
         code, keep = K.encode_tile_stats(
@@ -419,7 +419,7 @@ def sparse_backward(
     alpha_s, beta_s, lse_s, t_s = srt(alpha.float()), srt(beta.float()), srt(lse), srt(r.safe_t)
     N = r.N
     BN, BV = K.stats_blocks(e2d.dtype)
-    nt = -(-V // BV)
+    nt = _stats_tiles(V, e2d.dtype)
     pos = torch.arange(N, device=dev)
     valid_s = pos < r.n_valid
     src = None

@@ -1299,21 +1299,20 @@ def _kept_dz_kernel(
 @triton.jit
 def _kept_dz_block_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, ListE, CntE, Scratch, ScaleBuf,
-    V, D, stride_e, stride_c, n_vtiles, softcap, blk0,
+    V, D, stride_e, stride_c, n_vtiles, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, s): the s-th kept tile of token block blk0 + b into slot b * n_slots + s
-    (the dE writer's per-block slots; the block's later kept tiles are recomputed there)."""
-    b = tl.program_id(0)
+    """Program (b, s): the s-th kept tile of token block b into slot b * n_slots + s (the dE
+    writer's per-block slots; the block's later kept tiles are recomputed there)."""
+    blk = tl.program_id(0)
     s = tl.program_id(1)
-    blk = blk0 + b
     if s >= tl.load(CntE + blk):
         return
     j = tl.load(ListE + blk * (n_vtiles + 1) + s)
     _kept_dz_to_slot(
         E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf,
-        blk, j, b * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap,
+        blk, j, blk * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap,
         HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
 
@@ -1791,15 +1790,14 @@ def linear_ce_backward_sparse(
         BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
     )  # fmt: skip
     bias_arg = bias if bias is not None else dummy
-    if need_de:
-        if stash is None or src is None or stash.shape != e2d.shape or stash.dtype != e2d.dtype:
-            raise ValueError("need_de needs a stash of e2d's shape and dtype and its row map src")
-        code_in_stash = _shares_memory(plan.code, stash)
     dE = dC = None
     S = DE_BLOCK_SLOTS if need_de and N > 0 else 0
     tile = BN * BV
     free = e2d.numel()  # elements of the stash free for the dC writer's slots
     if need_de:
+        if stash is None or src is None or stash.shape != e2d.shape or stash.dtype != e2d.dtype:
+            raise ValueError("need_de needs a stash of e2d's shape and dtype and its row map src")
+        code_in_stash = _shares_memory(plan.code, stash)
         # The stash's tail: [kept-tile slots of the dE writer, S per block][codes]. The slots go
         # there when they fit, else to a separate buffer (small D).
         flat = stash.view(-1)
@@ -1818,7 +1816,7 @@ def linear_ce_backward_sparse(
             with ctx:
                 _kept_dz_block_kernel[(n_blocks, S)](
                     e2d, c, bias_arg, erow, tgt, perm, n_valid, lse, alpha, plan.list_e, plan.cnt_e,
-                    slots, slot_scale, V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap), 0,
+                    slots, slot_scale, V, D, e2d.stride(0), c.stride(0), n_vtiles, float(softcap),
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
                 )  # fmt: skip
     if need_dc:
