@@ -8,17 +8,20 @@ Hugging Face models: ``cce.transformers.patch(model)``; vocabulary parallelism:
 ``cce.distributed``. Both are imported on first use (``import cce.transformers``).
 """
 
-from .cross_entropy import CausalLMLoss, CrossEntropyLoss, cross_entropy
-from .linear import LinearCrossEntropy, linear_cross_entropy
-from .options import CCEOptions
+from .ops.cross_entropy import CausalLMLoss, CrossEntropyLoss, cross_entropy, cross_entropy_with_options
+from .ops.linear_ce import LinearCrossEntropy, linear_cross_entropy, linear_cross_entropy_with_options
+from .options import CCEOptions, Tuning
 
 __all__ = [
     "CCEOptions",
     "CausalLMLoss",
     "CrossEntropyLoss",
     "LinearCrossEntropy",
+    "Tuning",
     "cross_entropy",
+    "cross_entropy_with_options",
     "linear_cross_entropy",
+    "linear_cross_entropy_with_options",
 ]
 
 __version__ = "0.1.0"

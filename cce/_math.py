@@ -32,6 +32,11 @@ from dataclasses import dataclass
 import torch
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of the PyTorch implementations: float64 for float64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class LossConsts:
     """The scalar options that enter the loss formula."""

@@ -12,9 +12,7 @@ import os
 
 import torch
 
-from .options import CCEOptions
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+from .options import FLOAT_DTYPES, CCEOptions
 
 
 def _is_compiling() -> bool:
@@ -33,7 +31,7 @@ def debug_checks_enabled(device: torch.device) -> bool:
 def check_float(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got dtype {t.dtype}")
 
 
@@ -116,4 +114,27 @@ def check_linear_inputs(
     check_vector("weight", weight, V)
     check_same_device(e=e, c=c, targets=targets, bias=bias, weight=weight)
     check_shift(opts, targets.shape, "e / targets")
+    check_target_range(targets, V, opts.ignore_index)
+
+
+def check_logits_inputs(
+    logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None, opts: CCEOptions
+) -> None:
+    """All checks of cross_entropy's tensors; raises before anything runs."""
+    check_float("logits", logits)
+    check_targets_dtype(targets)
+    if logits.dim() < 1:
+        raise ValueError("logits must have shape (..., V) with the class dim last, got a 0-d tensor")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])} (logits are "
+            f"(..., V), class dim last), got targets of shape {tuple(targets.shape)} for logits of "
+            f"shape {tuple(logits.shape)}"
+        )
+    V = logits.shape[-1]
+    if V == 0:
+        raise ValueError(f"logits must have at least one class, got shape {tuple(logits.shape)}")
+    check_vector("weight", weight, V)
+    check_same_device(logits=logits, targets=targets, weight=weight)
+    check_shift(opts, targets.shape, "logits / targets")
     check_target_range(targets, V, opts.ignore_index)

@@ -1,4 +1,12 @@
-"""The options of every cce loss, in one frozen dataclass, validated once."""
+"""The options of every cce loss, in one frozen dataclass, validated once.
+
+:class:`CCEOptions` holds what a user chooses (the loss's semantics, the filter threshold, the
+implementation). Its ``tuning`` field, a :class:`Tuning`, holds the internal choices: which
+backward algorithm runs and the memory budgets of the implementations. The defaults are what
+the library is tuned for; tests and benchmarks pass other values (never by overwriting module
+state) to exercise every path on small problems. ``docs/design.md`` lists each algorithm and
+when ``backward="auto"`` picks it.
+"""
 
 from __future__ import annotations
 
@@ -11,24 +19,79 @@ import torch
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "triton", "torch"]
 FilterEps = float | Literal["auto"] | None
+Backward = Literal["auto", "sparse", "recompute"]
 
-_REDUCTIONS = ("mean", "sum", "none")
-_IMPLS = ("auto", "triton", "torch")
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
+IMPLS: tuple[str, ...] = ("auto", "triton", "torch")
+BACKWARDS: tuple[str, ...] = ("auto", "sparse", "recompute")
+# Input dtypes every entry point accepts (float64 runs the Triton kernels in fp32).
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 # Gradient-filter thresholds chosen by filter_eps="auto". A tile of the softmax is skipped when
 # every (non-target) probability in it is below eps; its contribution is then replaced by a
 # rank-1 correction (see docs/design.md), whose error is not eps per entry but the spread of the
 # tile's classes around their mean times the tile's mass. bf16 / fp16: chosen so that the
-# corrected filter error stays at the error of storing the gradient in that dtype (measured on
-# H100, zipf data at gemma2-2b / llama3-8b sizes: dE, dC 1.9e-3 / 1.8e-3 relative at 2^-8 against
-# 1.7e-3 / 1.7e-3 unfiltered; docs/benchmarks.md) while on random logits no tile is kept at all
-# (at 2^-12 a logit above ~4 sigma, in most tiles, kept its tile). fp32: about its rounding unit.
+# corrected filter error stays at the error of storing the gradient in that dtype while on
+# random logits no tile is kept at all (docs/benchmarks.md has the measurements). fp32: about
+# its rounding unit.
 AUTO_FILTER_EPS = {
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-10,
     torch.float32: 2.0**-20,
     torch.float64: 0.0,
 }
+
+
+def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Internal choices of the implementations (defaults: what cce is tuned for).
+
+    Attributes:
+        backward: the filtered Triton backward (filter_eps > 0): ``"auto"`` (the sparse backward
+            from the forward's tile statistics where it applies, see docs/design.md, else the
+            recomputing one), ``"sparse"`` (the sparse backward wherever it applies, whatever
+            the threshold), ``"recompute"`` (never the sparse one). The exact path
+            (filter_eps None or 0) has one algorithm.
+        chunk_bytes: bytes of chunk-sized temporaries of the PyTorch implementations (None: each
+            implementation's default).
+        dz_slab_bytes: bytes of the exact Triton backward's dZ slab.
+        stats_chain_tiles: vocabulary tiles per carry chain of the tile-statistics encoder.
+        de_block_slots: kept-tile dZ scratch slots per token block of the sparse dE writer.
+        dc_scratch_tiles: kept-tile dZ scratch slots of the sparse dC writer (None: two per
+            token block).
+        stash_move_bytes: bytes of the temporary that moves dE rows into e's order.
+    """
+
+    backward: Backward = "auto"
+    chunk_bytes: int | None = None
+    dz_slab_bytes: int = 256 << 20
+    stats_chain_tiles: int = 128
+    de_block_slots: int = 2
+    dc_scratch_tiles: int | None = None
+    stash_move_bytes: int = 8 << 20
+
+    def __post_init__(self) -> None:
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"backward must be one of {BACKWARDS}, got {self.backward!r}")
+        _check_positive_int("chunk_bytes", self.chunk_bytes, allow_none=True)
+        _check_positive_int("dz_slab_bytes", self.dz_slab_bytes)
+        _check_positive_int("stats_chain_tiles", self.stats_chain_tiles)
+        _check_positive_int("stash_move_bytes", self.stash_move_bytes)
+        _check_positive_int("dc_scratch_tiles", self.dc_scratch_tiles, allow_none=True)
+        if isinstance(self.de_block_slots, bool) or not isinstance(self.de_block_slots, int):
+            raise ValueError(f"de_block_slots must be an int >= 0, got {self.de_block_slots!r}")
+        if self.de_block_slots < 0:
+            raise ValueError(f"de_block_slots must be an int >= 0, got {self.de_block_slots!r}")
+
+
+DEFAULT_TUNING = Tuning()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,18 +110,21 @@ class CCEOptions:
     filter_eps: FilterEps = "auto"
     impl: Impl = "auto"
     return_lse: bool = False
+    tuning: Tuning | None = None  # None: Tuning() (a default instance here would not trace)
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        if self.reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {self.reduction!r}")
-        if self.impl not in _IMPLS:
-            raise ValueError(f"impl must be one of {_IMPLS}, got {self.impl!r}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if not isinstance(self.shift, bool):
             raise TypeError(f"shift must be a bool, got {self.shift!r}")
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {self.return_lse!r}")
+        if self.tuning is not None and not isinstance(self.tuning, Tuning):
+            raise TypeError(f"tuning must be a cce.Tuning or None, got {self.tuning!r}")
         if self.softcap is not None:
             if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)):
                 raise TypeError(f"softcap must be a float or None, got {self.softcap!r}")
@@ -86,6 +152,11 @@ class CCEOptions:
         if self.filter_eps == "auto":
             return AUTO_FILTER_EPS.get(dtype, 0.0)
         return float(self.filter_eps)
+
+    @property
+    def resolved_tuning(self) -> Tuning:
+        """The internal choices: ``tuning``, or the defaults."""
+        return DEFAULT_TUNING if self.tuning is None else self.tuning
 
     @property
     def softcap_value(self) -> float:

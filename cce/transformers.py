@@ -34,8 +34,8 @@ import types
 import torch
 from torch import nn
 
-from .distributed import call_unsharded
-from .linear import linear_cross_entropy_with_options
+from .distributed.fsdp import call_unsharded
+from .ops.linear_ce.api import linear_cross_entropy_with_options
 from .options import CCEOptions
 
 __all__ = ["is_patched", "options", "patch", "unpatch"]

@@ -231,3 +231,66 @@ def filter_error_bounds(e, c, t, b, up_loss, up_lse, eps: float, *, weight=None,
         "c": float(small.sum(0).norm()) * 2 * emax,
         "bias": 0.0,
     }
+
+
+def tuned(**tuning):
+    """cce.linear_cross_entropy's signature with internal options (cce.Tuning: the backward
+    algorithm, memory budgets), passed as options rather than by changing module state."""
+    import cce
+
+    def fn(e, c, t, b=None, *, weight=None, process_group=None, **opts):
+        o = cce.CCEOptions(**opts, tuning=cce.Tuning(**tuning))
+        return cce.linear_cross_entropy_with_options(e, c, t, b, weight, o, process_group)
+
+    return fn
+
+
+def tuned_ce(**tuning):
+    """cce.cross_entropy's signature with internal options (see tuned)."""
+    import cce
+
+    def fn(logits, t, *, weight=None, inplace_backward=False, **opts):
+        o = cce.CCEOptions(**opts, tuning=cce.Tuning(**tuning))
+        return cce.cross_entropy_with_options(logits, t, weight, o, inplace_backward)
+
+    return fn
+
+
+def tile_skips(e, c, t, eps: float, BN: int, BV: int, perm=None, ignore_index: int = -100):
+    """[n_blocks, n_tiles] int8: what the recomputing Triton backward decides per (token block,
+    vocabulary tile), from the logits in fp32: 1 (skip) when every probability in the tile is
+    below eps and no row's target lies in it, 0 (keep); -1 for blocks past the valid rows. Rows
+    in the valid-first order, the vocabulary in ``perm`` order (ids when None)."""
+    valid = t != ignore_index
+    order = torch.argsort((~valid).int(), stable=True)
+    n_valid = int(valid.sum())
+    V = c.shape[0]
+    perm = torch.arange(V, device=c.device) if perm is None else perm
+    pos = torch.empty_like(perm).index_copy_(0, perm, torch.arange(V, device=c.device))
+    nb, nt = -(-len(t) // BN), -(-V // BV)
+    out = torch.full((nb, nt), -1, dtype=torch.int8)
+    cs = c.float()[perm]
+    for b in range(nb):
+        rows = order[b * BN : min((b + 1) * BN, n_valid)]
+        if rows.numel() == 0:
+            continue
+        L = e.float()[rows] @ cs.T
+        p = torch.softmax(L, 1)
+        p = torch.nn.functional.pad(p, (0, nt * BV - V))
+        maxp = p.view(len(rows), nt, BV).amax(dim=(0, 2))
+        has_t = torch.zeros(nt, dtype=torch.bool, device=c.device)
+        has_t[pos[t[rows]] // BV] = True
+        out[b] = ((maxp < eps) & ~has_t).to(torch.int8).cpu()
+    return out
+
+
+def skip_rate(e, c, t, eps: float, sort_vocab: bool) -> float:
+    """Fraction of the decided (token block, tile) pairs that the recomputing backward skips, on
+    the vocabulary sorted by mean logit (as it walks it) or in id order."""
+    from cce.ops.linear_ce.kernels.common import config
+    from cce.ops.linear_ce.rows import RowOrder, vocab_order
+
+    cfg = config(e.dtype, "bwd")
+    perm = vocab_order(e, c, None, RowOrder(t, None, -100)) if sort_vocab else None
+    sk = tile_skips(e, c, t, eps, cfg.BLOCK_N, cfg.BLOCK_V, perm)
+    return float((sk == 1).sum() / (sk >= 0).sum().clamp(min=1))

@@ -115,11 +115,11 @@ CE_CASES = [
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("cce.cross_entropy") is None, reason="cce.cross_entropy not built yet"
+    importlib.util.find_spec("cce.ops.cross_entropy") is None, reason="cce.ops.cross_entropy not built yet"
 )
 @pytest.mark.parametrize("case", range(len(CE_CASES)))
 def test_cross_entropy_compiles_fullgraph(case):
-    from cce.cross_entropy import cross_entropy
+    from cce import cross_entropy
 
     opts = CE_CASES[case]
     V = 301

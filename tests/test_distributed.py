@@ -26,11 +26,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import filter_error_bounds, loss_and_grads, make_linear_inputs, rel_err  # noqa: E402
+from helpers import filter_error_bounds, loss_and_grads, make_linear_inputs, rel_err, tuned  # noqa: E402
 
 import cce  # noqa: E402
 import cce.distributed  # noqa: E402
-import cce.torch_impl  # noqa: E402
 from cce.distributed import (  # noqa: E402
     linear_cross_entropy_vocab_parallel,
     lm_head_linear_cross_entropy,
@@ -91,7 +90,7 @@ TRITON_CASES: dict[str, dict] = {
     "triton_filter_auto": dict(bias=True, opts=dict(impl="triton", filter_eps="auto")),
 }
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# filter_eps with impl="torch": every rank filters its own block with cce.torch_impl's CPU tile
+# filter_eps with impl="torch": every rank filters its own block with impl="torch"'s CPU tile
 # filter (as the Triton path does per block). A block skips entries with |alpha_loc| p_loc <
 # eps * max |alpha_loc|, and alpha_loc p_loc = alpha p while max |alpha_loc| <= max |alpha|, so the
 # skipped set is one helpers.filter_error_bounds covers: the error vs the fp64 oracle stays within
@@ -195,34 +194,28 @@ def _eq_case(name, spec, rank, world, group):
     sizes = _split(world, spec.get("split", "even"))
     start = sum(sizes[:rank])
     block = slice(start, start + sizes[rank])
-    # A small chunk budget (one device and every block share cce.torch_impl's loop) makes
+    # A small chunk budget (one device and every block share impl="torch"'s loop) makes
     # several row chunks.
-    old = cce.torch_impl.CHUNK_BYTES
-    cce.torch_impl.CHUNK_BYTES = spec.get("chunk_bytes", old)
-    try:
-        ref = loss_and_grads(
-            lambda *a, **k: cce.linear_cross_entropy(*a, weight=w, impl=impl, **k),
-            _leaf(e),
-            _leaf(c),
-            t,
-            _leaf(b),
-            generator=torch.Generator().manual_seed(7),
-            **opts,
-        )
-        wl = None if w is None else w[block]
-        got = loss_and_grads(
-            lambda *a, **k: linear_cross_entropy_vocab_parallel(
-                *a, weight=wl, process_group=group, impl=impl, **k
-            ),
-            _leaf(e),
-            _leaf(c, block),
-            t,
-            _leaf(b, block),
-            generator=torch.Generator().manual_seed(7),
-            **opts,
-        )
-    finally:
-        cce.torch_impl.CHUNK_BYTES = old
+    fn = tuned(chunk_bytes=spec.get("chunk_bytes"))
+    ref = loss_and_grads(
+        lambda *a, **k: fn(*a, weight=w, impl=impl, **k),
+        _leaf(e),
+        _leaf(c),
+        t,
+        _leaf(b),
+        generator=torch.Generator().manual_seed(7),
+        **opts,
+    )
+    wl = None if w is None else w[block]
+    got = loss_and_grads(
+        lambda *a, **k: fn(*a, weight=wl, process_group=group, impl=impl, **k),
+        _leaf(e),
+        _leaf(c, block),
+        t,
+        _leaf(b, block),
+        generator=torch.Generator().manual_seed(7),
+        **opts,
+    )
     tol = TOL_BF16 if spec.get("dtype") == torch.bfloat16 else TOL_FP32
     _compare(name, got, ref, tol, block)
 

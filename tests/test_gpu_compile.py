@@ -80,7 +80,7 @@ def test_compile_fullgraph_matches_eager(impl, case):
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_cross_entropy_compile_fullgraph(impl):
-    from cce.cross_entropy import cross_entropy
+    from cce import cross_entropy
 
     g = torch.Generator(device="cuda").manual_seed(1)
     z = (torch.randn(2, 2048, V, device="cuda", generator=g) * 2).bfloat16().requires_grad_()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import rel_err
 
-from cce.cross_entropy import CausalLMLoss, cross_entropy
+from cce import CausalLMLoss, cross_entropy
 from cce.reference import cross_entropy_reference
 
 pytestmark = pytest.mark.gpu

@@ -48,6 +48,7 @@ from helpers import (
     rel_err,
     row_terms,
     run_with_upstream,
+    tuned,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -165,10 +166,11 @@ def error_budget(e, c, t, b, up_loss, up_lse, *, weight=None, **opts):
     return out
 
 
-def check_against_oracle(e, c, t, b, *, weight=None, seed=0, **opts):
-    """Runs cce and the oracle under the same random upstream gradients and asserts the bounds."""
+def check_against_oracle(e, c, t, b, *, weight=None, seed=0, fn=None, **opts):
+    """Runs cce (``fn``, default cce_fn) and the oracle under the same random upstream gradients
+    and asserts the bounds."""
     dtype = e.dtype
-    got = run_with_upstream(cce_fn, e, c, t, b, seed=seed, weight=weight, **opts)
+    got = run_with_upstream(fn or cce_fn, e, c, t, b, seed=seed, weight=weight, **opts)
     ref = run_reference(e, c, t, b, seed=seed, weight=weight, **opts)
     loss, lse, grads, up_loss, up_lse = got
     rloss, rlse, rgrads, _, _ = ref
@@ -443,11 +445,9 @@ def test_vocabulary_smaller_than_a_block(V):
     check_against_oracle(e, c, t, b, reduction="none", label_smoothing=0.2, z_loss=1e-3)
 
 
-def test_multiple_chunks(monkeypatch):
+def test_multiple_chunks():
     """Force several token chunks (a tiny memory budget): chunk boundaries must not matter."""
-    import cce.torch_impl as ti
-
-    monkeypatch.setattr(ti, "CHUNK_BYTES", 7 * 301 * 4)  # 7 rows of 301 fp32 logits per chunk
+    fn = tuned(chunk_bytes=7 * 301 * 4)  # 7 rows of 301 fp32 logits per chunk
     e, c, t, b = make_linear_inputs((5, 9), 41, 301, bias=True, ignore_frac=0.3)
     w = make_weight(301)
     for reduction in ("mean", "none"):
@@ -464,6 +464,7 @@ def test_multiple_chunks(monkeypatch):
             label_smoothing=0.1,
             z_loss=1e-3,
             return_lse=reduction == "none",
+            fn=lambda *a, **k: fn(*a, impl=IMPL, **k),
         )
 
 
@@ -539,13 +540,13 @@ def test_inputs_not_requiring_grad(which, reduction):
 @pytest.fixture
 def spy_fwd(monkeypatch):
     """Records the arguments cce passes to the PyTorch implementation's forward op."""
-    import cce.torch_impl as ti
+    import cce.ops.linear_ce.torch_impl as ti
 
     calls = []
     real = ti.linear_ce_torch_fwd
 
     def spy(*args):
-        calls.append(args)
+        calls.append(ti.FwdArgs(*args))
         return real(*args)
 
     monkeypatch.setattr(ti, "linear_ce_torch_fwd", spy)
@@ -555,12 +556,12 @@ def spy_fwd(monkeypatch):
 @pytest.mark.parametrize("which", ["e", "c", "bias"])
 def test_frozen_input_gradient_not_requested(spy_fwd, which):
     """The implementation is told not to compute (or allocate) the gradient of a frozen input:
-    its need_* flag (the last three arguments of the op) is False, the others True."""
+    its need_* flag is False, the others True."""
     e, c, t, b = make_linear_inputs((3, 4), 19, 30, bias=True)
     {"e": e, "c": c, "bias": b}[which].requires_grad_(False)
     cce_fn(e, c, t, b).backward()
     (args,) = spy_fwd
-    need = dict(zip(("e", "c", "bias"), args[-3:], strict=True))
+    need = dict(zip(("e", "c", "bias"), (args.need_de, args.need_dc, args.need_dbias), strict=True))
     assert need == {k: k != which for k in need}
 
 
@@ -569,7 +570,7 @@ def test_shift_does_not_copy_e(spy_fwd):
     e, c, t, _ = make_linear_inputs((3, 9), 21, 40)
     cce_fn(e, c, t, shift=True).backward()
     (args,) = spy_fwd
-    assert args[0].data_ptr() == e.data_ptr() and args[0].shape == (27, 21)
+    assert args.e2d.data_ptr() == e.data_ptr() and args.e2d.shape == (27, 21)
 
 
 def test_no_grad_anywhere():
@@ -758,7 +759,7 @@ def _constant_tail_problem(dtype, p_rare, *, n_freq=20, V=1300, D=8, lead=(3, 8)
     [(torch.float32, "auto"), (torch.float32, 1e-3), (torch.bfloat16, "auto"), (torch.float16, "auto")],
 )
 @pytest.mark.parametrize("variant", ["mean", "none_lse_softcap", "sum_shift_smooth", "mean_chunked"])
-def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant, monkeypatch):
+def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant):
     """The skipped-tile correction, not just the generic bound: here it is exact by construction
     (see _constant_tail_problem), so the filtered result must match the oracle to rounding
     accuracy (tolerance of check_against_oracle with a zero filter bound), while dropping the
@@ -771,14 +772,14 @@ def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant, monkeypatc
         "sum_shift_smooth": dict(reduction="sum", shift=True, label_smoothing=0.1, z_loss=1e-3),
         "mean_chunked": dict(reduction="mean", return_lse=True),
     }[variant]
+    fn = cce_fn
     if variant == "mean_chunked":  # several token chunks: per-chunk dC corrections are summed
-        import cce.torch_impl as ti
-
-        monkeypatch.setattr(ti, "CHUNK_BYTES", 5 * 1300 * 4)
+        chunked = tuned(chunk_bytes=5 * 1300 * 4)
+        fn = lambda *a, **k: chunked(*a, impl=IMPL, **k)  # noqa: E731
     _, L, _, tt = problem_rows(e, c, t, None, shift=opts.get("shift", False), softcap=opts.get("softcap"))
     p = torch.softmax(L, -1)
     assert bool((p[:, 20:] < eps_v).all()) and bool((p[:, :20].amax(1) > 2 * eps_v).all())
-    got = run_with_upstream(cce_fn, e, c, t, None, seed=9, filter_eps=eps, **opts)
+    got = run_with_upstream(fn, e, c, t, None, seed=9, filter_eps=eps, **opts)
     ref = run_reference(e, c, t, None, seed=9, **opts)
     up, uplse = got[3], got[4]
     budget = error_budget(e, c, t, None, up, uplse, **opts)

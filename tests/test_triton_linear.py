@@ -19,7 +19,7 @@ import torch
 
 from bench.data import zipf_inputs
 from cce import linear_cross_entropy
-from tests.helpers import compare_with_reference, make_linear_inputs, rel_err
+from tests.helpers import compare_with_reference, make_linear_inputs, rel_err, skip_rate, tile_skips, tuned
 
 triton = pytest.importorskip("triton")
 
@@ -102,32 +102,32 @@ def test_shapes(lead, D, V):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_exact_path_several_slabs(monkeypatch, dtype):
+def test_exact_path_several_slabs(dtype):
     """The exact backward walks the vocabulary in dZ slabs; force several (last one partial)."""
-    from cce.kernels import linear_ce as K
-
     N, V = 40, 150
-    monkeypatch.setattr(K, "DZ_SLAB_BYTES", N * 2 * 32 * (4 if dtype == torch.float32 else 2))
+    fn = tuned(dz_slab_bytes=N * 2 * 32 * (4 if dtype == torch.float32 else 2))
     opts = {"bias": True, "softcap": 3.0, "label_smoothing": 0.1, "weight": True, "return_lse": True}
     e, c, t, b, opts = _inputs((N,), 50, V, dtype, opts, seed=12)
-    got, ref = compare_with_reference(_triton, e, c, t, b, seed=5, filter_eps=None, **opts)
+    got, ref = compare_with_reference(
+        lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=5, filter_eps=None, **opts
+    )
     _check(got, ref, dtype)
 
 
+@pytest.mark.parametrize("backward", ["recompute", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_filtered_path_several_slabs(monkeypatch, dtype):
-    """Filtered backward (sorted vocabulary, dE atomics, dC per slab through the permutation,
-    smoothing term outside) with several slabs; eps tiny so nothing is skipped and the oracle's
-    tolerance applies (the skip branch is checked against its bound below)."""
-    import cce.triton_impl as TI
-    from cce.kernels import linear_ce as K
-
-    N, V = 40, 150
-    monkeypatch.setattr(TI, "DC_ATOMIC", False)
-    monkeypatch.setattr(K, "DZ_SLAB_BYTES", N * 2 * 32 * (4 if dtype == torch.float32 else 2))
-    opts = {"bias": True, "label_smoothing": 0.1, "weight": True, "z_loss": 1e-3}
-    e, c, t, b, opts = _inputs((N,), 50, V, dtype, opts, seed=13)
-    got, ref = compare_with_reference(_triton, e, c, t, b, seed=6, filter_eps=1e-12, **opts)
+def test_filtered_backwards_with_tiny_threshold(backward, dtype):
+    """Each filtered backward (Tuning.backward) with every option it serves and eps tiny, so
+    that nothing is skipped and the oracle's tolerance applies (the skip branch is checked
+    against its bound below)."""
+    opts = {"label_smoothing": 0.1, "weight": True, "z_loss": 1e-3}
+    if backward == "recompute":
+        opts["bias"] = True  # the bias gradient is the recomputing backward's own case
+    e, c, t, b, opts = _inputs((40,), 50, 150, dtype, opts, seed=13)
+    fn = tuned(backward=backward)
+    got, ref = compare_with_reference(
+        lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=6, filter_eps=1e-12, **opts
+    )
     _check(got, ref, dtype)
 
 
@@ -205,30 +205,29 @@ def _filter_bound(e, c, t, eps, BN, BV, skip, perm):
     return bound_e, bound_c, order
 
 
-@pytest.mark.parametrize("dc_atomic", [False, True])
-def test_filter_error_within_stated_bound(dc_atomic):
-    """With a coarse threshold most tiles are skipped; the corrected error obeys the bound."""
-    from cce import _math
-    from cce.kernels.linear_ce import backward_blocks
-    from cce.triton_impl import _Rows, linear_ce_triton_fwd, triton_backward, vocab_order
+def test_filter_error_within_stated_bound():
+    """With a coarse threshold most tiles are skipped; the recomputing backward's corrected error
+    obeys the bound (the sparse backward's has its own test, test_triton_sparse.py)."""
+    from cce.ops.linear_ce.kernels.common import config
+    from cce.ops.linear_ce.rows import RowOrder, vocab_order
 
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
     eps = 2e-3
-    lse = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps)[1]
-    valid = t != -100
-    g = _math.row_upstream(torch.ones(()), _math.target_weight(None, t, valid), "mean", len(t))
-    dE, dC, _, out = triton_backward(
-        e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, eps, True, True, False,
-        record_skip=True, dc_atomic=dc_atomic,
-    )  # fmt: skip
-    dE0, dC0, _, _ = triton_backward(
-        e, c, None, None, None, t, lse, g, None, -100, 0.0, 0.0, 0.0, 0.0, True, True, False
-    )
-    frac = float((out.skip == 1).sum() / (out.skip >= 0).sum())
+
+    def grads(filter_eps):
+        el, cl = e.clone().requires_grad_(), c.clone().requires_grad_()
+        tuned(backward="recompute")(el, cl, t, impl="triton", filter_eps=filter_eps).backward()
+        return el.grad, cl.grad
+
+    dE, dC = grads(eps)
+    dE0, dC0 = grads(None)
+    cfg = config(e.dtype, "bwd")
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    perm = vocab_order(e, c, None, RowOrder(t, None, -100))
+    skip = tile_skips(e, c, t, eps, BN, BV, perm)
+    frac = float((skip == 1).sum() / (skip >= 0).sum())
     assert frac > 0.3, frac  # the test must exercise the correction
-    BN, BV = backward_blocks(e.dtype)
-    perm = vocab_order(e, c, None, _Rows(t, None, -100))
-    be, bc, order = _filter_bound(e, c, t, eps, BN, BV, out.skip, perm)
+    be, bc, order = _filter_bound(e, c, t, eps, BN, BV, skip, perm)
     err_e = (dE - dE0).double().norm(dim=1)
     err_c = (dC - dC0).double().norm(dim=1)
     slack = 1e-6 * dE0.norm()  # fp32 rounding of the two runs
@@ -242,7 +241,7 @@ def test_filter_error_within_stated_bound(dc_atomic):
 def test_tile_means(sorted_):
     """Per-tile means of c in walking order (gathered through the order; a partial last tile;
     D not a multiple of the kernel's D chunk)."""
-    from cce.kernels.linear_ce import tile_means
+    from cce.ops.linear_ce.kernels.tile_stats import tile_means
 
     V, D, BV = 150, 7, 32
     c = torch.randn(V, D)
@@ -255,8 +254,6 @@ def test_tile_means(sorted_):
 
 def test_vocab_sorting_clusters_skippable_tiles():
     """Walking the vocabulary by mean logit skips far more tiles than id order on zipf data."""
-    from bench.gpu_linear_check import skip_rate
-
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
     assert skip_rate(e, c, t, 2e-3, True) > skip_rate(e, c, t, 2e-3, False) + 0.2
 
@@ -273,10 +270,10 @@ def test_compile_fullgraph_eager_backend():
 
 
 def test_cpu_tensors_rejected_outside_interpreter(monkeypatch):
-    from cce.kernels import linear_ce as K
+    from cce.ops.linear_ce.kernels.forward import linear_ce_forward
 
-    monkeypatch.setattr(K, "_interpreting", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # read at each launch (cce._dispatch.interpreting)
     e, c, t, _, _ = _inputs((8,), 16, 20, torch.float32, {}, seed=11)
     rows = torch.arange(8)
     with pytest.raises(ValueError, match="CUDA"):
-        K.linear_ce_forward(e, c, None, None, rows, t, torch.tensor([8], dtype=torch.int32), 0.0, False)
+        linear_ce_forward(e, c, None, None, rows, t, torch.tensor([8], dtype=torch.int32), 0.0, False)

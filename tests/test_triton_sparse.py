@@ -5,7 +5,7 @@ Its filter: a tile (token block x vocabulary tile, vocabulary in the forward's s
 recomputed only if the forward's statistic Sq (each row's tile max, rounded up to 1/8 nat) says
 some non-target probability may reach eps; a skipped tile adds alpha_i S'_ij mean(C_j) to dE_i
 (S'_ij its non-target mass as decoded from the uint8 code the forward keeps, see
-K.encode_tile_stats) and q_v G_j to dC_v; the target entries are exact. The tests check the raw
+tile_stats.encode_tile_stats) and q_v G_j to dC_v; the target entries are exact. The tests check the raw
 statistics and the codes against float64 truth, that skipping is sound (every skipped entry is
 below eps), and that the gradient error obeys the stated bound (docs/design.md):
 
@@ -32,19 +32,37 @@ from tests.helpers import rel_err
 
 triton = pytest.importorskip("triton")
 
+from cce.ops.linear_ce.kernels import backward_sparse as KS  # noqa: E402
+from cce.ops.linear_ce.kernels import stash as KST  # noqa: E402
+from cce.ops.linear_ce.kernels import tile_stats as KT  # noqa: E402
+from cce.ops.linear_ce.kernels.common import stats_blocks  # noqa: E402
+from cce.ops.linear_ce.kernels.forward import linear_ce_forward  # noqa: E402
+from cce.ops.linear_ce.rows import RowOrder, vocab_scores  # noqa: E402
+from cce.ops.linear_ce.triton_backward import sparse_backward  # noqa: E402
+from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
+from cce.options import Tuning  # noqa: E402
+
+_T = Tuning()
+
+
+def _fwd(e, c, bias, rows, t, red, softcap, ls, zl, eps, stash=False):
+    """linear_ce_triton_fwd of a training step of the sparse backward (default tuning)."""
+    return linear_ce_triton_fwd(
+        e, c, bias, None, rows, t, -100, red, softcap, ls, zl, eps, True, stash, _T.stats_chain_tiles,
+        _T.dz_slab_bytes, _T.de_block_slots, _T.dc_scratch_tiles, _T.stash_move_bytes,
+    )  # fmt: skip
+
+
 F16_REL = 2.0**-11  # fp16 rounding, relative
 
 
 def _raw_stats(e, c, t, eps, bias=None, softcap=0.0):
-    """The forward kernel's raw tile statistics (K.FwdStats: st, sq, m0 on sorted rows), the
+    """The forward kernel's raw tile statistics (forward.FwdStats: st, sq, m0 on sorted rows), the
     vocabulary order and the row order, as linear_ce_triton_fwd computes them."""
-    import cce.kernels.linear_ce as K
-    from cce.triton_impl import _Rows, vocab_scores
-
-    r = _Rows(t, None, -100)
+    r = RowOrder(t, None, -100)
     vperm, _ = vocab_scores(e, c, bias, r)
     t_s = r.safe_t.index_select(0, r.perm)
-    out = K.linear_ce_forward(e, c, bias, None, r.erow_s, t_s, r.n_valid, softcap, False, perm=vperm, eps=eps)
+    out = linear_ce_forward(e, c, bias, None, r.erow_s, t_s, r.n_valid, softcap, False, perm=vperm, eps=eps)
     return out, vperm, r
 
 
@@ -64,7 +82,6 @@ def _truth(e, c, t, bias, softcap):
 def test_forward_tile_statistics(softcap):
     """St is the tile's non-target log-mass (x softcap') relative to m0 up to fp16 rounding; m0 is
     a lower bound of lse; Sq / 8 bounds the tile's non-target max (relative to m0 + log eps)."""
-    from cce.kernels.linear_ce import stats_blocks
 
     e, c, t = zipf_inputs(70, 40, 300, dtype=torch.float32, seed=3)
     t[::9] = -100
@@ -96,8 +113,8 @@ def test_forward_tile_statistics(softcap):
 
 
 @pytest.mark.parametrize("chain", [None, 3])
-def test_encoded_tile_statistics(chain, monkeypatch):
-    """What the backward keeps of the statistics (K.encode_tile_stats): a tile is kept for a token
+def test_encoded_tile_statistics(chain):
+    """What the backward keeps of the statistics (tile_stats.encode_tile_stats): a tile is kept for a token
     block iff one of its rows' bounds Sq / 8 reaches lse - m0 (or is 127); the skipped tiles'
     masses are coded with their rounding carried along each row's chain of tiles, so that every
     running sum of decoded masses stays within the carry bound of the true running sum:
@@ -107,16 +124,13 @@ def test_encoded_tile_statistics(chain, monkeypatch):
 
     (and kept tiles, ignored rows code 255, mass 0). ``chain`` 3 splits the tiles into several
     carry chains (each starts at zero carry)."""
-    import cce.kernels.linear_ce as K
-
-    if chain is not None:
-        monkeypatch.setattr(K, "STATS_CHAIN_TILES", chain)
+    chain = chain or _T.stats_chain_tiles
     e, c, t = zipf_inputs(70, 48, 800, dtype=torch.float32, seed=5)
     t[::9] = -100
     eps = 5e-3
     out, vperm, r = _raw_stats(e, c, t, eps)
-    BN, BV = K.stats_blocks(e.dtype)
-    code, keep = K.encode_tile_stats(out.st, out.sq, out.m0, out.lse, r.n_valid, BN)
+    BN, BV = stats_blocks(e.dtype)
+    code, keep = KT.encode_tile_stats(out.st, out.sq, out.m0, out.lse, r.n_valid, BN, chain)
     n, N = int(r.n_valid), len(t)
     nt = out.st.shape[1]
     assert code.dtype == torch.uint8 and code.shape == (N, nt) and keep.shape == (-(-N // BN), nt)
@@ -138,11 +152,11 @@ def test_encoded_tile_statistics(chain, monkeypatch):
     S = torch.nn.functional.pad(mass, (0, nt * BV - mass.shape[1])).view(n, nt, BV).sum(2)
     skipped = ~keep.bool()[torch.arange(n) // BN]
     S = torch.where(skipped, S, 0.0)
-    dec = K.decode_tile_mass(code[:n]).double()
+    dec = KT.decode_tile_mass(code[:n]).double()
     assert (dec[~skipped] == 0).all() and (code[n:] == 255).all()
-    h = math.exp(1 / (2 * K.STATS_STEPS)) - 1
+    h = math.exp(1 / (2 * KT.STATS_STEPS)) - 1
     f16 = S * (torch.exp(F16_REL * (out.st[:n].double().abs() + 1)) - 1)
-    L = K.STATS_CHAIN_TILES
+    L = chain
     for j0 in range(0, nt, L):
         cols = slice(j0, min(nt, j0 + L))
         carry = (S[:, cols].cumsum(1) - dec[:, cols].cumsum(1)).abs()
@@ -151,15 +165,13 @@ def test_encoded_tile_statistics(chain, monkeypatch):
         )
         assert (carry <= bound + 1e-12).all(), (carry - bound).max()
     # ... and it can fail: codes one step off (6% on each mass) break it.
-    off = K.decode_tile_mass((code[:n].int() + 1).clamp(max=255).to(torch.uint8)).double()
+    off = KT.decode_tile_mass((code[:n].int() + 1).clamp(max=255).to(torch.uint8)).double()
     assert ((S.cumsum(1) - off.cumsum(1)).abs() > h / (1 - h) * S.cummax(1).values + f16.cumsum(1)).any()
 
 
 def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r):
     """Per sorted row / per vocabulary id, the stated error bounds of dE and dC (float64)."""
-    import cce.kernels.linear_ce as K
-
-    BN, BV = K.stats_blocks(e.dtype)
+    BN, BV = stats_blocks(e.dtype)
     n = int(r.n_valid)
     rows = r.perm[:n]
     z, lse, scp = _truth(e, c, t, bias, softcap)
@@ -169,7 +181,7 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r):
     dz = torch.where(torch.arange(c.shape[0])[None, :] == ts[:, None], 0.0, dz).abs()
     es, cs = e.double()[r.erow_s[:n]], c.double()
     keep = plan.keep.bool()
-    dec = K.decode_tile_mass(plan.code[:n]).double()
+    dec = KT.decode_tile_mass(plan.code[:n]).double()
     is_t = vperm[None, :] == ts[:, None]
     mass = torch.where(is_t, 0.0, torch.exp(z[rows][:, vperm] - lse[rows][:, None]) * scp[rows][:, vperm])
     be = torch.zeros(n, dtype=torch.float64)
@@ -198,9 +210,7 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r):
 def test_sparse_filter_sound_and_within_stated_bound(opts):
     """With a coarse threshold most tiles are skipped: every skipped entry is below eps, and the
     corrected gradients obey the stated bound against the exact ones."""
-    from cce.kernels.linear_ce import stats_blocks
     from cce.reference import linear_cross_entropy_reference
-    from cce.triton_impl import _Rows, linear_ce_triton_fwd, sparse_backward
 
     opts = dict(opts)
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
@@ -215,7 +225,7 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
     zl = opts.get("z_loss", 0.0)
     red = opts.get("reduction", "mean")
     eps = 2e-3
-    out = linear_ce_triton_fwd(e, c, bias, None, None, t, -100, red, softcap, ls, zl, eps, True)
+    out = _fwd(e, c, bias, None, t, red, softcap, ls, zl, eps)
     lse, code, keep, zt, vperm, vscore = out[1:7]
     valid = t != -100
     w_t = _math.target_weight(None, t, valid)
@@ -232,7 +242,7 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
         ed, cd, t, None if bias is None else bias.double(), dtype=torch.float64, **opts64
     ).backward()
     dE0, dC0 = ed.grad, cd.grad
-    r = _Rows(t, None, -100)
+    r = RowOrder(t, None, -100)
     n = int(r.n_valid)
     BN, BV = stats_blocks(e.dtype)
     frac = float(1 - plan.keep[: -(-n // BN)].float().mean())
@@ -284,26 +294,21 @@ def test_sparse_public_api_vs_exact(dtype, opts):
     assert e1.dtype == dtype and c1.dtype == dtype
 
 
-def test_scratch_and_recompute_agree(monkeypatch):
+def test_scratch_and_recompute_agree():
     """A kept tile's dZ comes from a scratch slot (the dC writer's first kept_scratch_tiles kept
-    tiles, the dE writer's first DE_BLOCK_SLOTS per block) or is recomputed by the writers: both
+    tiles, the dE writer's first Tuning.de_block_slots per block) or is recomputed by the writers: both
     give the same gradients, whatever the number of slots."""
-    import cce.kernels.linear_ce as K
-    from cce.triton_impl import linear_ce_triton_fwd, sparse_backward
-
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=2)
     eps = 2e-3
-    out = linear_ce_triton_fwd(e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True)
+    out = _fwd(e, c, None, None, t, "mean", 0.0, 0.0, 0.0, eps)
     g = torch.full((64,), 1 / 64)
     args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:])
     dE, dC, plan = sparse_backward(*args, return_plan=True)
-    cap = K.kept_scratch_tiles(64, e.dtype)
+    cap = KS.kept_scratch_tiles(64, e.dtype)
     assert 0 < cap < int(plan.n_kept)  # both sources in use
-    assert int(plan.cnt_e.max()) > K.DE_BLOCK_SLOTS  # ... in the dE writer too
+    assert int(plan.cnt_e.max()) > _T.de_block_slots  # ... in the dE writer too
     for slots, de_slots in ((0, 0), (10**4, 1), (10**4, 10**3)):
-        monkeypatch.setattr(K, "kept_scratch_tiles", lambda N, dtype, s=slots: s)
-        monkeypatch.setattr(K, "DE_BLOCK_SLOTS", min(de_slots, 64))
-        dE2, dC2 = sparse_backward(*args)
+        dE2, dC2 = sparse_backward(*args, de_block_slots=min(de_slots, 64), dc_scratch_tiles=slots)
         assert torch.allclose(dE2, dE, rtol=1e-6, atol=1e-9) and torch.allclose(dC2, dC, rtol=1e-6, atol=1e-9)
 
 
@@ -316,16 +321,13 @@ def test_scratch_and_recompute_agree(monkeypatch):
         (torch.float32, 6, False),
     ],
 )
-def test_stash_layout_gives_the_same_gradients(dtype, D, shift, monkeypatch):
+def test_stash_layout_gives_the_same_gradients(dtype, D, shift):
     """The training forward's stash (dE's buffer holding the codes in its tail, the dE pass in
     rounds around them, the rows moved to e2d's order at the end) gives bit for bit the
     gradients of separate buffers, with ignored rows and the shifted rows' gaps at zero. D = 128
     (fp32) also holds the dE writer's kept-tile slots in the stash; D = 6 not even the codes
     (they would take more than half of it)."""
-    import cce.kernels.linear_ce as K
-    from cce.triton_impl import linear_ce_triton_fwd, sparse_backward
-
-    monkeypatch.setattr(K, "STASH_MOVE_BYTES", 7 * D * 4)  # several row moves
+    move = 7 * D * 4  # several row moves
     n, V, eps = 96, 800, 2e-3
     e, c, t = zipf_inputs(n, D, V, dtype=dtype, seed=3)
     t[5::9] = -100
@@ -335,29 +337,30 @@ def test_stash_layout_gives_the_same_gradients(dtype, D, shift, monkeypatch):
         rows = torch.arange(n).view(2, -1)[:, :-1].reshape(-1)
         t = t.view(2, -1)[:, 1:].reshape(-1)
     N = t.numel()
-    nt = -(-V // K.stats_blocks(dtype)[1])
-    fits = K.code_fits_stash(N, nt, n, D, dtype)
+    nt = -(-V // stats_blocks(dtype)[1])
+    fits = KST.code_fits_stash(N, nt, n, D, dtype)
     assert fits == (D != 6)
-    BN, BV = K.stats_blocks(dtype)
-    slot0, _, protect = K._stash_layout(
-        N, n, D, e.element_size(), nt if fits else 0, BN, BV, K.DE_BLOCK_SLOTS
+    BN, BV = stats_blocks(dtype)
+    slot0, _, protect = KST.stash_layout(
+        N, n, D, e.element_size(), nt if fits else 0, BN, BV, _T.de_block_slots
     )
     assert (slot0 is not None) == (D == 128)
-    rounds = K._de_rounds(N, D, BN, protect)
+    rounds = KST.de_rounds(N, D, BN, protect)
     if D >= 48:  # the dE pass takes several rounds in place, then a last one on copies
         assert len(rounds) >= 2 and not rounds[0][2] and (rounds[-1][2] or shift), rounds
     g = torch.rand(N, generator=torch.Generator().manual_seed(0))
     res = []
     for stash in (False, True):
-        out = linear_ce_triton_fwd(e, c, None, None, rows, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, stash)
+        out = _fwd(e, c, None, rows, t, "mean", 0.0, 0.0, 0.0, eps, stash)
         assert (out[2].numel() == 0) == (stash and fits)
         assert out[-1].shape == ((n, D) if stash else (0,))
         if stash:  # poison (0xff bytes: NaN) all but the codes: no unwritten byte may matter
             raw = out[-1].view(-1).view(torch.uint8)
             raw[: raw.numel() - (N * nt if fits else 0)] = 255
         dE, dC = sparse_backward(
-            e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:]
-        )
+            e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:],
+            move_bytes=move,
+        )  # fmt: skip
         if stash:
             assert dE.data_ptr() == out[-1].data_ptr()  # written in place
         res.append((dE, dC))
@@ -380,21 +383,19 @@ def test_stash_layout_gives_the_same_gradients(dtype, D, shift, monkeypatch):
     S=st.sampled_from([0, 1, 2]),
 )
 def test_stash_rounds_never_overwrite_what_is_still_read(N, extra, D, es, nt, BN, BV, S):
-    """K._stash_layout / K._de_rounds: the slots (aligned) lie before the codes, which end the
+    """stash.stash_layout / stash.de_rounds: the slots (aligned) lie before the codes, which end the
     stash; the rounds cover the sorted rows in order, in whole blocks; a round in place writes
     no element that its rows or later ones still read (protect), the last one may (it reads
     copies) only when few blocks or rounds remain or no block would fit."""
-    import cce.kernels.linear_ce as K
-
     M = N + extra
     T = M * D * es
-    code = nt if K.code_fits_stash(N, nt, M, D, torch.float16 if es == 2 else torch.float32) else 0
-    slot0, code_lo, protect = K._stash_layout(N, M, D, es, code, BN, BV, S)
+    code = nt if KST.code_fits_stash(N, nt, M, D, torch.float16 if es == 2 else torch.float32) else 0
+    slot0, code_lo, protect = KST.stash_layout(N, M, D, es, code, BN, BV, S)
     assert code_lo * es <= T - N * code
     if slot0 is not None:
-        assert slot0 >= 0 and slot0 % K._STASH_ALIGN == 0
+        assert slot0 >= 0 and slot0 % KST.STASH_ALIGN == 0
         assert slot0 + -(-N // BN) * S * BN * BV <= code_lo
-    rounds = K._de_rounds(N, D, BN, protect)
+    rounds = KST.de_rounds(N, D, BN, protect)
     assert rounds[0][0] == 0 and rounds[-1][1] == N
     assert all(not last for *_, last in rounds[:-1])
     for a, b, last in rounds:
@@ -402,7 +403,7 @@ def test_stash_rounds_never_overwrite_what_is_still_read(N, extra, D, es, nt, BN
         if not last:
             assert b * D <= protect(a)  # in place: the rows written end before what is still read
         else:
-            few = N - a <= K.DE_FINAL_BLOCKS * BN or len(rounds) == K.DE_MAX_ROUNDS
+            few = N - a <= KST.de_final_blocks() * BN or len(rounds) == KST.DE_MAX_ROUNDS
             assert few or (a + BN) * D > protect(a)
     for (_, b, _), (a, _, _) in zip(rounds, rounds[1:], strict=False):
         assert a == b
@@ -423,17 +424,14 @@ def test_stash_second_backward_raises():
         loss.backward()
 
 
-def test_rows_move_to_e2d_order(monkeypatch):
-    """K._to_e_rows: in place, row r <- row src[r] (0 where src[r] < 0) for src[r] <= r, through
+def test_rows_move_to_e2d_order():
+    """stash.to_e_rows: in place, row r <- row src[r] (0 where src[r] < 0) for src[r] <= r, through
     bounded temporaries (forced small here)."""
-    import cce.kernels.linear_ce as K
-
     gen = torch.Generator().manual_seed(0)
     for M, D in ((1, 3), (37, 5), (64, 8)):
-        monkeypatch.setattr(K, "STASH_MOVE_BYTES", 4 * D * 5)
         keep = torch.rand(M, generator=gen) < 0.6
         src = torch.where(keep, torch.cumsum(keep, 0) - 1, -1)  # valid-first order of kept rows
         x = torch.randn(M, D, generator=gen)
         want = torch.where(keep[:, None], x[src.clamp(min=0)], 0.0)
-        K._to_e_rows(x, src)
+        KST.to_e_rows(x, src, 4 * D * 5)
         assert torch.equal(x, want)

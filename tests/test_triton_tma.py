@@ -23,8 +23,10 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from cce.kernels import linear_ce as K  # noqa: E402
-from cce.triton_impl import _Rows  # noqa: E402
+from cce.ops.linear_ce.kernels.backward_exact import linear_ce_backward_exact  # noqa: E402
+from cce.ops.linear_ce.kernels.common import use_tma  # noqa: E402
+from cce.ops.linear_ce.kernels.forward import linear_ce_forward  # noqa: E402
+from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,12 +46,12 @@ def _inputs(N, D, V, dtype, seed, ignore_every=5):
 
 
 def _run(e, c, t, tma, *, stats=False, bias=None, weight=None, softcap=0.0, slab_bytes=None, seed=0):
-    r = _Rows(t, None, -100)
+    r = RowOrder(t, None, -100)
     ts = r.safe_t.index_select(0, r.perm)
     perm = None
     if stats:
         perm = torch.randperm(c.shape[0], generator=torch.Generator().manual_seed(seed)).to(DEV)
-    out = K.linear_ce_forward(
+    out = linear_ce_forward(
         e, c, bias, weight, r.erow_s, ts, r.n_valid, softcap, weight is not None,
         perm=perm, eps=1e-3 if stats else 0.0, tma=tma, slab_bytes=slab_bytes,
     )  # fmt: skip
@@ -117,7 +119,7 @@ def test_tma_rejects_unaligned_rows():
     e, c, t = _inputs(8, 5, 40, torch.float16, seed=1)  # 10-byte rows: no descriptor
     with pytest.raises(ValueError, match="16 bytes"):
         _run(e, c, t, True)
-    assert not K.use_tma(e, c)  # and the automatic choice never picks it
+    assert not use_tma(e, c)  # and the automatic choice never picks it
     assert math.isfinite(float(_run(e, c, t, False)[0].lse.sum()))
 
 
@@ -133,16 +135,16 @@ EXACT_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", EXACT_CASES, ids=_ids)
 def test_tma_exact_slabs_match_plain_kernel(case, dtype):
-    """The exact backward's dZ slabs by _dz_slab_kernel (tma=True) against _bwd_kernel's STORE_DZ
-    tiles (tma=False): the same dZ formula on logits accumulated over the same D chunks, so dE /
+    """The exact backward's dZ slabs by the tensor-descriptor kernel (tma=True) against the
+    pointer-load kernel (tma=False): the same dZ formula on logits accumulated over the same D chunks, so dE /
     dC agree to the rounding of dZ to the operand dtype (fp16: the scaled tile, 2^-11 relative,
     where both paths may round a tie differently) plus fp32 summation order."""
     N, D, V = 37, 40, 203
     e, c, t = _inputs(N, D, V, dtype, seed=21)
     g = torch.Generator().manual_seed(8)
-    r = _Rows(t, None, -100)
+    r = RowOrder(t, None, -100)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
-    fwd = K.linear_ce_forward(e, c, None, None, r.erow_s, srt(r.safe_t), r.n_valid, 0.0, False)
+    fwd = linear_ce_forward(e, c, None, None, r.erow_s, srt(r.safe_t), r.n_valid, 0.0, False)
     bias = (0.5 * torch.randn(V, generator=g)).to(DEV) if case.get("bias") else None
     weight = torch.rand(V, generator=g).to(DEV) if case.get("weight") else None
     alpha = (torch.rand(N, generator=g) / N).to(DEV)
@@ -150,9 +152,9 @@ def test_tma_exact_slabs_match_plain_kernel(case, dtype):
     gamma = (0.1 * torch.rand(N, generator=g) / N).to(DEV) if case.get("smoothing") else None
     args = (e, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, fwd.lse, alpha, beta, gamma)
     kw = dict(softcap=case.get("softcap", 0.0), need_de=True, need_dc=True, need_dbias=False)
-    sb = case.get("slab_bytes")
-    a = K.linear_ce_backward_slabs(*args, **kw, tma=True, slab_bytes=sb)
-    b = K.linear_ce_backward_slabs(*args, **kw, tma=False, slab_bytes=sb)
+    sb = case.get("slab_bytes", 256 << 20)
+    a = linear_ce_backward_exact(*args, **kw, tma=True, slab_bytes=sb)
+    b = linear_ce_backward_exact(*args, **kw, tma=False, slab_bytes=sb)
     tol = 2e-6 if dtype == torch.float32 else 2.0**-10
     for x, y in ((a.dE, b.dE), (a.dC, b.dC)):
         x, y = x.float(), y.float()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import cce
-import cce.torch_impl
+import cce.ops.linear_ce.torch_impl
 
 V, D = 11, 8
 
@@ -25,7 +25,7 @@ def no_kernel(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the implementation ran before validation rejected the input")
 
-    monkeypatch.setattr(cce.torch_impl, "linear_ce_torch_fwd", boom)
+    monkeypatch.setattr(cce.ops.linear_ce.torch_impl, "linear_ce_torch_fwd", boom)
 
 
 def good(lead=(2, 5), dtype=torch.float32):

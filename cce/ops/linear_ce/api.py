@@ -1,70 +1,16 @@
-"""linear_cross_entropy: the public function, the module, and dispatch to an implementation."""
+"""linear_cross_entropy: the public function and module; validation and dispatch to an
+implementation (impl="torch": torch_impl.py, impl="triton": triton_impl.py, a process group or
+a sharded classifier: cce/distributed/)."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
 
-from ._validation import check_linear_inputs
-from .options import CCEOptions
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def select_impl(impl: str, device: torch.device) -> str:
-    """'torch' or 'triton' for the requested impl and the tensors' device."""
-    if impl == "torch":
-        return "torch"
-    if impl == "triton":
-        if not _triton_available():
-            raise RuntimeError("impl='triton' needs the triton package, which is not installed")
-        if device.type != "cuda" and not _interpreting():
-            raise ValueError(
-                f"impl='triton' needs CUDA tensors, got tensors on {device}; use impl='torch' "
-                "(or set TRITON_INTERPRET=1 before importing cce to run the kernels on the CPU)"
-            )
-        return "triton"
-    return "triton" if device.type == "cuda" and _triton_available() else "torch"
-
-
-def _prepare(e: torch.Tensor, targets: torch.Tensor, shift: bool):
-    """Flattens to (rows, D) without copying contiguous inputs.
-
-    Returns (e2d, rows, targets_flat, out_shape): problem row i reads e2d[rows[i]] (rows is None
-    for the identity) and targets_flat[i]. With shift, rows skip each sequence's last position so
-    that e[..., :-1, :] is read by index, not copied.
-    """
-    D = e.shape[-1]
-    e2d = e.reshape(-1, D)
-    if shift:
-        T = targets.shape[-1]
-        tgt = targets[..., 1:]
-        rows = torch.arange(e2d.shape[0], device=e.device).view(-1, T)[:, :-1].reshape(-1)
-    else:
-        tgt = targets
-        rows = None
-    return e2d, rows, tgt.reshape(-1).long(), tgt.shape
-
-
-def _needs_grad(t: torch.Tensor | None) -> bool:
-    return t is not None and t.requires_grad and torch.is_grad_enabled()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    # Checked by class name so that a build without torch.distributed never imports it here.
-    return type(t).__name__ == "DTensor"
+from ..._dispatch import is_dtensor, needs_grad, select_impl
+from ..._validation import check_linear_inputs
+from ...options import CCEOptions
+from .rows import flatten_rows
 
 
 def linear_cross_entropy_with_options(
@@ -77,8 +23,8 @@ def linear_cross_entropy_with_options(
     process_group=None,
 ):
     """linear_cross_entropy with its options already in a :class:`CCEOptions`."""
-    if process_group is not None or _is_dtensor(c):
-        from .distributed import vocab_parallel_with_options
+    if process_group is not None or is_dtensor(c):
+        from ...distributed.vocab_parallel import vocab_parallel_with_options
 
         return vocab_parallel_with_options(e, c, targets, bias, weight, opts, process_group)
     e, c, bias = _autocast_operands(e, c, bias)
@@ -107,32 +53,24 @@ def _autocast_operands(e, c, bias):
 
 def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
     impl = select_impl(opts.impl, e.device)
-    e2d, rows, tgt, out_shape = _prepare(e, targets, opts.shift)
-    need_de, need_dc, need_db = _needs_grad(e), _needs_grad(c), _needs_grad(bias)
+    e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
+    need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)
     args = (
-        e2d,
-        c,
-        bias,
-        weight,
-        rows,
-        tgt,
-        opts.ignore_index,
-        opts.reduction,
-        opts.softcap_value,
-        float(opts.label_smoothing),
-        float(opts.z_loss),
-        eps,
-    )
+        e2d, c, bias, weight, rows, tgt, opts.ignore_index, opts.reduction, opts.softcap_value,
+        float(opts.label_smoothing), float(opts.z_loss), eps,
+    )  # fmt: skip
     if impl == "torch":
         from .torch_impl import linear_ce_torch_fwd
 
         precompute = (need_de or need_dc or need_db) and opts.reduction != "none" and not opts.return_lse
-        loss, lse, *_ = linear_ce_torch_fwd(*args, precompute, need_de, need_dc, need_db)
+        loss, lse, *_ = linear_ce_torch_fwd(
+            *args, precompute, need_de, need_dc, need_db, opts.resolved_tuning.chunk_bytes
+        )  # fmt: skip
     else:
         from .triton_impl import linear_ce_triton
 
-        loss, lse = linear_ce_triton(*args, need_de, need_dc, need_db)
+        loss, lse = linear_ce_triton(*args, need_de, need_dc, need_db, opts.resolved_tuning)
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
     if opts.return_lse:

@@ -21,35 +21,25 @@ finish with one masked tail block. Offsets are int64: N * V passes 2^31 at N=163
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from ..._dispatch import interpreting, num_sms
+from .. import jit_math as jm
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 @triton.jit
-def _softcapped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """(L, th): L = softcap * tanh(x / softcap) and th = tanh(x / softcap) (th = x without softcap).
-
-    tanh is written with exp2 (libdevice tanh does not run in the interpreter):
-    tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) <= 1, which never overflows.
-    """
+def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(L, th): L = softcap * tanh(x / softcap) and th = tanh(x / softcap); (x, x) without softcap."""
     if HAS_SOFTCAP:
-        y = x / softcap
-        e = tl.exp2(tl.abs(y) * (-2.0 * LOG2E))  # tensor first (interpreter: constexpr * tensor fails)
-        th = (1.0 - e) / (1.0 + e)
-        th = tl.where(y < 0, -th, th)
-        return softcap * th, th
+        L, th = jm.softcap(x, softcap)
     else:
-        return x, x
+        L, th = x, x
+    return L, th
 
 
 @triton.jit
@@ -59,7 +49,7 @@ def _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHI
     m is the running max of L * log2(e); s = sum 2^(L log2 e - m). Masked entries contribute
     exp2(-inf) = 0 to s and (via w = 0) nothing to ssum.
     """
-    L, _ = _softcapped(x, softcap, HAS_SOFTCAP)
+    L, _ = _capped(x, softcap, HAS_SOFTCAP)
     if HAS_SOFTCAP:
         L = tl.where(x == float("-inf"), float("-inf"), L)  # softcap maps -inf to -softcap
     L2 = L * LOG2E
@@ -70,16 +60,23 @@ def _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHI
     return m_new, s, ssum
 
 
+@triton.heuristics(
+    {
+        "HAS_ROW_OFF": lambda a: a["ROW_OFF"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "HAS_SMOOTHING": lambda a: a["SSUM"] is not None,
+    }
+)
 @triton.jit
 def _ce_fwd_kernel(
     X,  # logits, rows of V classes
-    ROW_OFF,  # [N] int64 row offsets (HAS_ROW_OFF) else unused
+    ROW_OFF,  # [N] int64 row offsets, or None: row i at i * stride_n
     stride_n,
     T,  # [N] targets
-    W,  # [V] class weights (HAS_WEIGHT) else unused
+    W,  # [V] class weights, or None (ones)
     LSE,  # [N] fp32, or [N, n_splits] partial lse (SPLIT)
     TGT,  # [N] fp32 target logit
-    SSUM,  # [N] or [N, n_splits] fp32 (HAS_SMOOTHING) else unused
+    SSUM,  # [N] or [N, n_splits] fp32 weighted logit sums, or None (no label smoothing)
     V,
     v_per_split,  # multiple of BLOCK_V
     n_splits,
@@ -142,7 +139,7 @@ def _ce_fwd_kernel(
     if split == 0:
         safe_t = tl.where(active, t, 0)  # an ignored row reads its first element, then drops it
         xt = tl.load(x_row + safe_t).to(tl.float32)
-        Lt, _ = _softcapped(xt, softcap, HAS_SOFTCAP)
+        Lt, _ = _capped(xt, softcap, HAS_SOFTCAP)
         tl.store(TGT + row, tl.where(active, Lt, 0.0))
 
 
@@ -150,7 +147,7 @@ def _ce_fwd_kernel(
 def _bwd_block(
     x, cols, t, w, lse2, alpha, beta, gamma, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr
 ):
-    L, th = _softcapped(x, softcap, HAS_SOFTCAP)
+    L, th = _capped(x, softcap, HAS_SOFTCAP)
     p = tl.exp2(L * LOG2E - lse2)
     d = alpha * p - tl.where(cols == t, beta, 0.0)
     if HAS_SMOOTHING:
@@ -160,20 +157,28 @@ def _bwd_block(
     return d
 
 
+@triton.heuristics(
+    {
+        "HAS_ROW_OFF": lambda a: a["ROW_OFF"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "HAS_SMOOTHING": lambda a: a["GAMMA"] is not None,
+        "HAS_SCALE": lambda a: a["SCALE"] is not None,
+    }
+)
 @triton.jit
 def _ce_bwd_kernel(
-    X,
-    ROW_OFF,
+    X,  # logits, rows of V classes
+    ROW_OFF,  # [N] int64 row offsets, or None: row i at i * stride_n
     stride_n,
     DX,  # gradient; DX == X for the in-place backward
     stride_dn,
-    T,
-    W,
+    T,  # [N] targets
+    W,  # [V] class weights, or None (ones)
     LSE,  # [N] fp32 (0 at ignored rows)
     ALPHA,  # [N] fp32 row coefficients (cce._math.coefficients)
     BETA,
-    GAMMA,
-    SCALE,  # 0-d fp32 multiplying alpha, beta, gamma (HAS_SCALE): the upstream gradient
+    GAMMA,  # [N] fp32 smoothing coefficient, or None (no label smoothing)
+    SCALE,  # 0-d fp32 multiplying alpha, beta, gamma (the upstream gradient), or None
     V,
     v_per_split,
     ignore_index,
@@ -203,7 +208,9 @@ def _ce_bwd_kernel(
     lse2 = tl.load(LSE + row) * LOG2E
     alpha = tl.load(ALPHA + row)
     beta = tl.load(BETA + row)
-    gamma = tl.load(GAMMA + row)
+    gamma = tl.zeros((), tl.float32)
+    if HAS_SMOOTHING:
+        gamma = tl.load(GAMMA + row)
     if HAS_SCALE:
         sc = tl.load(SCALE)
         alpha *= sc
@@ -243,24 +250,17 @@ def _ce_bwd_kernel(
 # Launchers
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # interpreter: a small 'machine' so that small test problems exercise splitting
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_config(dtype: torch.dtype, backward: bool) -> tuple[int, int, int]:
     """(BLOCK_V, num_warps, min_splits). One fixed config under the interpreter (it is slow).
 
     ``min_splits`` > 1 cuts every row into that many programs even when rows are plentiful, which
     shortens the last, partly filled wave of programs.
     """
-    if _interpreting():
+    if interpreting():
         return 256, 4, 1
-    # Picked by bench/gpu_ce_check.py --sweep on an H100 (bf16, N = 8192, V = 256000 and 128256;
-    # best total time of both shapes): four 16-byte loads per thread and block, i.e. 4 KB blocks
-    # of 2 warps forward and 32 KB blocks of 16 warps backward. Splitting rows further (shorter
-    # last wave) did not pay. fp32 logits: the same bytes per block, half the classes.
+    # Four 16-byte loads per thread and block: 4 KB blocks of 2 warps forward and 32 KB blocks of
+    # 16 warps backward (the best of a sweep, docs/benchmarks.md). fp32 logits: the same bytes
+    # per block, half the classes.
     div = 2 if dtype == torch.float32 else 1
     if backward:
         return 16384 // div, 16, 1
@@ -273,7 +273,7 @@ def split_plan(
     """(n_splits, v_per_split): split rows over programs when there are too few rows to fill the GPU."""
     n_blocks = triton.cdiv(V, block_v)
     if splits is None:
-        want = 4 * _num_sms(device)
+        want = 4 * num_sms(device)
         splits = max(min_splits, 1 if N >= want else triton.cdiv(want, max(N, 1)))
     splits = max(1, min(int(splits), n_blocks))
     v_per_split = triton.cdiv(n_blocks, splits) * block_v
@@ -299,12 +299,6 @@ def row_layout(logits: torch.Tensor):
     for size, st in zip(logits.shape[:-1], logits.stride()[:-1], strict=True):
         off = off.unsqueeze(-1) + torch.arange(size, device=logits.device, dtype=torch.int64) * st
     return logits, 0, off.reshape(-1).contiguous()
-
-
-def _weight_arg(weight: torch.Tensor | None, smoothing: bool, like: torch.Tensor):
-    if weight is not None and smoothing:
-        return weight.contiguous(), True
-    return like, False  # unused pointer
 
 
 def ce_forward(
@@ -338,7 +332,6 @@ def ce_forward(
     num_warps = num_warps or cfg[1]
     n_splits, v_per_split = split_plan(N, V, block_v, device=dev, splits=splits, min_splits=cfg[2])
     x, stride_n, row_off = row_layout(logits)
-    w, has_w = _weight_arg(weight, smoothing, lse)
     split = n_splits > 1
     if split:
         plse = torch.empty(N, n_splits, dtype=torch.float32, device=dev)
@@ -346,11 +339,11 @@ def ce_forward(
     else:
         plse, pssum = lse, ssum
     _ce_fwd_kernel[(N, n_splits)](
-        x, row_off if row_off is not None else lse, stride_n, targets, w,
-        plse, tgt, pssum if pssum is not None else lse,
-        V, v_per_split, n_splits, ignore_index, float(softcap),
-        HAS_ROW_OFF=row_off is not None, HAS_SOFTCAP=softcap > 0, HAS_WEIGHT=has_w,
-        HAS_SMOOTHING=smoothing, SPLIT=split, BLOCK_V=block_v, num_warps=num_warps,
+        X=x, ROW_OFF=row_off, stride_n=stride_n, T=targets,
+        W=weight.contiguous() if (weight is not None and smoothing) else None,
+        LSE=plse, TGT=tgt, SSUM=pssum, V=V, v_per_split=v_per_split, n_splits=n_splits,
+        ignore_index=ignore_index, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, SPLIT=split,
+        BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
     if split:
         # Ignored rows hold 0 in every partial; their combined lse (log n_splits) is reset by the caller.
@@ -405,13 +398,12 @@ def ce_backward(
         stride_dn = stride_n
     else:
         stride_dn = V
-    w, has_w = _weight_arg(weight, smoothing, lse)
     _ce_bwd_kernel[(N, n_splits)](
-        x, row_off if row_off is not None else lse, stride_n, dx, stride_dn, targets, w,
-        lse, alpha, beta, gamma, scale if scale is not None else lse, V, v_per_split, ignore_index,
-        float(softcap), HAS_ROW_OFF=row_off is not None, DX_ROW_OFF=inplace and row_off is not None,
-        HAS_SCALE=scale is not None,
-        HAS_SOFTCAP=softcap > 0, HAS_WEIGHT=has_w, HAS_SMOOTHING=smoothing, BLOCK_V=block_v,
+        X=x, ROW_OFF=row_off, stride_n=stride_n, DX=dx, stride_dn=stride_dn, T=targets,
+        W=weight.contiguous() if (weight is not None and smoothing) else None,
+        LSE=lse, ALPHA=alpha, BETA=beta, GAMMA=gamma if smoothing else None, SCALE=scale,
+        V=V, v_per_split=v_per_split, ignore_index=ignore_index, softcap=float(softcap),
+        DX_ROW_OFF=inplace and row_off is not None, HAS_SOFTCAP=softcap > 0, BLOCK_V=block_v,
         num_warps=num_warps,
     )  # fmt: skip
     return dx

@@ -10,39 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._validation import (
-    check_float,
-    check_same_device,
-    check_shift,
-    check_target_range,
-    check_targets_dtype,
-    check_vector,
-)
-from .linear import select_impl
-from .options import CCEOptions
-
-
-def check_logits_inputs(
-    logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor | None, opts: CCEOptions
-) -> None:
-    """All checks of cross_entropy's tensors; raises before anything runs."""
-    check_float("logits", logits)
-    check_targets_dtype(targets)
-    if logits.dim() < 1:
-        raise ValueError("logits must have shape (..., V) with the class dim last, got a 0-d tensor")
-    if targets.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])} (logits are "
-            f"(..., V), class dim last), got targets of shape {tuple(targets.shape)} for logits of "
-            f"shape {tuple(logits.shape)}"
-        )
-    V = logits.shape[-1]
-    if V == 0:
-        raise ValueError(f"logits must have at least one class, got shape {tuple(logits.shape)}")
-    check_vector("weight", weight, V)
-    check_same_device(logits=logits, targets=targets, weight=weight)
-    check_shift(opts, targets.shape, "logits / targets")
-    check_target_range(targets, V, opts.ignore_index)
+from ..._dispatch import select_impl
+from ..._validation import check_logits_inputs
+from ...options import CCEOptions
 
 
 def _check_inplace(logits: torch.Tensor, inplace_backward: bool) -> None:
@@ -100,18 +70,19 @@ def cross_entropy_with_options(
     impl = _resolve_impl(opts, logits)
     t = _flat_targets(targets, opts)
     # Reduced loss without lse output: the backward's row coefficients are a fixed vector times the
-    # upstream scalar, so they are computed in the forward (see ce_torch.finish_forward).
+    # upstream scalar, so they are computed in the forward (see autograd.py).
     precompute = (
         opts.reduction != "none" and not opts.return_lse and logits.requires_grad and torch.is_grad_enabled()
     )
     args = (
         logits, t, weight, opts.ignore_index, opts.reduction, opts.softcap_value,
         float(opts.label_smoothing), float(opts.z_loss), inplace_backward, precompute,
+        opts.resolved_tuning.chunk_bytes,
     )  # fmt: skip
     if impl == "torch":
-        from .ce_torch import ce_torch_fwd as fwd
+        from .torch_impl import ce_torch_fwd as fwd
     else:
-        from .ce_triton import ce_triton_fwd as fwd
+        from .triton_impl import ce_triton_fwd as fwd
     # The loss is computed in fp32 from the logits as given; autocast must not re-cast inside.
     with torch.autocast(logits.device.type, enabled=False):
         loss, lse, *_ = fwd(*args)

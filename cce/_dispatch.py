@@ -1,0 +1,98 @@
+"""Which implementation and which backward algorithm run, decided once per call on the host.
+
+Nothing here looks at tensor values (no host synchronisation) or probes a device at import: the
+decisions depend on the options, the tensors' device and dtype, and what autograd will ask for.
+The implementations themselves live in cce/ops/<op>/ and cce/distributed/.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .options import Tuning
+
+# The sparse backward serves filtered training steps from this threshold up (the bf16 / fp16
+# defaults): a kept tile past its dZ scratch costs one recompute per D chunk of the output, cheap
+# while few tiles are kept, not at smaller thresholds (fp32's 2^-20) where a large share of the
+# tiles is kept (docs/benchmarks.md). Tuning(backward="sparse") lifts this bound.
+SPARSE_MIN_EPS = 2.0**-10
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (TRITON_INTERPRET=1, on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_impl(impl: str, device: torch.device) -> str:
+    """'torch' or 'triton' for the requested impl and the tensors' device."""
+    if impl == "torch":
+        return "torch"
+    if impl == "triton":
+        if not triton_available():
+            raise RuntimeError("impl='triton' needs the triton package, which is not installed")
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors, got tensors on {device}; use impl='torch' "
+                "(or set TRITON_INTERPRET=1 before importing cce to run the kernels on the CPU)"
+            )
+        return "triton"
+    return "triton" if device.type == "cuda" and triton_available() else "torch"
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether t is a torch.distributed DTensor (the class name first: no import of
+    torch.distributed.tensor for plain tensors)."""
+    if type(t).__name__ != "DTensor":
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def needs_grad(t: torch.Tensor | None) -> bool:
+    """Whether autograd will ask for t's gradient."""
+    return t is not None and t.requires_grad and torch.is_grad_enabled()
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 8 elsewhere (the interpreter: a small machine,
+    so that small test problems exercise the splitting of work over programs)."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear_backward(
+    tuning: Tuning,
+    filter_eps: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+    softcap: float,
+    label_smoothing: float,
+) -> str:
+    """The Triton backward of a linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
+    cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
+    softcap with label smoothing, whose smoothing term is then not rank-1) or "recompute"
+    (filtered, recomputing every tile)."""
+    if filter_eps <= 0:
+        return "exact"
+    applies = (need_de or need_dc) and not need_dbias and not (softcap > 0 and label_smoothing > 0)
+    if tuning.backward == "recompute" or not applies:
+        return "recompute"
+    if tuning.backward == "auto" and filter_eps < SPARSE_MIN_EPS:
+        return "recompute"
+    return "sparse"

@@ -1,0 +1,231 @@
+"""The set-up check of a vocabulary-parallel call, and DTensor classifiers.
+
+Every call first all-gathers a small descriptor per rank (block size, D, N, options, and
+checksums of ``e`` and ``targets``) so that a bad set-up fails with the same clear error on every
+rank instead of a hang or a silently wrong loss. Reading it on the host is one synchronisation
+per call (at the end of the forward pass, where the loss sits anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._dispatch import is_dtensor
+from .._validation import check_linear_inputs, check_target_range
+from ..options import FLOAT_DTYPES, IMPLS, REDUCTIONS, CCEOptions
+from .collectives import all_gather, group_device
+
+# Fields of the per-rank descriptor that must agree across ranks (in this order after V_local).
+_SAME = (
+    "D",
+    "N",
+    "dtype",
+    "reduction",
+    "shift",
+    "softcap",
+    "label_smoothing",
+    "z_loss",
+    "ignore_index",
+    "return_lse",
+    "has_bias",
+    "has_weight",
+    "impl",
+    "filter_eps",
+    "e_grad",
+)
+_CHECKSUMS = ("e_sum", "e_row_moment", "e_col_moment", "t_sum", "t_moment")
+
+
+def _checksums(e2d: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Cheap order-sensitive fingerprints of e and targets, deterministic for identical data.
+
+    Sums and index-weighted sums of row and column sums, in float64 (no copy of e is made).
+    Identical tensors give bitwise-identical values; different data almost never does.
+    """
+    N, D = e2d.shape
+    dev = e2d.device
+    rs = e2d.sum(1, dtype=torch.float64)  # [N]
+    cs = e2d.sum(0, dtype=torch.float64)  # [D]
+    tn = t.to(torch.float64)
+    return torch.stack(
+        [
+            rs.sum(),
+            (rs * torch.arange(1, N + 1, device=dev, dtype=torch.float64)).sum(),
+            (cs * torch.arange(1, D + 1, device=dev, dtype=torch.float64)).sum(),
+            tn.sum(),
+            (tn * torch.arange(1, tn.numel() + 1, device=dev, dtype=torch.float64)).sum(),
+        ]
+    )
+
+
+def _describe(e, c_local, targets, bias, weight, opts: CCEOptions, check_replicated: bool, dev):
+    """This rank's descriptor (float64, on ``dev``) and its local validation error (or None).
+
+    The checksums stay on the device (no host synchronisation before the gather)."""
+    err = None
+    fields = [0.0] * (2 + len(_SAME) + 1 + len(_CHECKSUMS))
+    try:
+        if not isinstance(c_local, torch.Tensor) or c_local.dim() != 2 or c_local.shape[0] == 0:
+            shape = tuple(c_local.shape) if isinstance(c_local, torch.Tensor) else type(c_local)
+            raise ValueError(
+                f"c_local must be this rank's non-empty block of classifier rows (V_local, D), "
+                f"got {shape}; every rank of the group needs at least one row"
+            )
+        # Every local check of the one-device API; the target range is checked against the global
+        # V after the gather (targets hold global ids). A zero stand-in of targets' shape and
+        # dtype (expanded, no copy) keeps check_linear_inputs from range-checking them here.
+        if not isinstance(targets, torch.Tensor):
+            raise TypeError(f"targets must be a torch.Tensor, got {type(targets).__name__}")
+        check_linear_inputs(e, c_local, targets.new_zeros(()).expand(targets.shape), bias, weight, opts)
+        e2d = e.reshape(-1, e.shape[-1])
+        t = targets.reshape(-1)
+        n = t.numel() - (t.numel() // targets.shape[-1] if opts.shift else 0)
+        fields[0] = 0.0
+        fields[1] = float(c_local.shape[0])
+        same = dict(
+            D=e.shape[-1],
+            N=n,
+            dtype=FLOAT_DTYPES.index(e.dtype),
+            reduction=REDUCTIONS.index(opts.reduction),
+            shift=float(opts.shift),
+            softcap=opts.softcap_value,
+            label_smoothing=float(opts.label_smoothing),
+            z_loss=float(opts.z_loss),
+            ignore_index=float(opts.ignore_index),
+            return_lse=float(opts.return_lse),
+            has_bias=float(bias is not None),
+            has_weight=float(weight is not None),
+            impl=IMPLS.index(opts.impl),
+            filter_eps=-1.0
+            if opts.filter_eps == "auto"
+            else -2.0
+            if opts.filter_eps is None
+            else float(opts.filter_eps),
+            e_grad=float(e.requires_grad and torch.is_grad_enabled()),
+        )
+        for i, name in enumerate(_SAME):
+            fields[2 + i] = float(same[name])
+        if check_replicated:
+            fields[2 + len(_SAME)] = 1.0
+        desc = torch.tensor(fields, dtype=torch.float64).to(dev)
+        if check_replicated:
+            desc[3 + len(_SAME) :] = _checksums(e2d.detach(), t).to(dev)
+        return desc, None
+    except Exception as exc:  # reported collectively after the gather, never alone (no hang)
+        err = exc
+    fields[0] = 1.0
+    return torch.tensor(fields, dtype=torch.float64).to(dev), err
+
+
+@dataclass(frozen=True)
+class Layout:
+    rank: int
+    world: int
+    sizes: tuple[int, ...]  # V_local of every rank, in rank order
+    ns: tuple[int, ...]  # tokens of every rank (equal unless tokens are sharded)
+
+    @property
+    def start(self) -> int:
+        return sum(self.sizes[: self.rank])
+
+    @property
+    def V(self) -> int:
+        return sum(self.sizes)
+
+
+def check_setup(
+    e, c_local, targets, bias, weight, opts, group, check_replicated, global_V, tokens_sharded=False
+) -> Layout:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    desc, err = _describe(e, c_local, targets, bias, weight, opts, check_replicated, group_device(group))
+    table = all_gather(desc, group).cpu()  # [world, fields]: the one host synchronisation
+    failed = [r for r in range(world) if table[r, 0] != 0]
+    if err is not None:
+        raise type(err)(f"[cce vocab-parallel, rank {rank}] {err}") from err
+    if failed:
+        raise RuntimeError(
+            f"[cce vocab-parallel, rank {rank}] rank(s) {failed} of the process group rejected "
+            "their inputs (see the error raised there); no rank ran the loss"
+        )
+    for i, name in enumerate(_SAME):
+        if name == "N" and tokens_sharded:
+            continue
+        col = table[:, 2 + i]
+        if not bool((col == col[0]).all()):
+            vals = col.tolist()
+            hint = ""
+            if name == "N":
+                hint = " (e and targets must hold the same tokens on every rank)"
+            raise ValueError(f"[cce vocab-parallel, rank {rank}] '{name}' differs across ranks: {vals}{hint}")
+    sizes = tuple(int(v) for v in table[:, 1].tolist())
+    ns = tuple(int(v) for v in table[:, 2 + _SAME.index("N")].tolist())
+    lay = Layout(rank, world, sizes, ns)
+    if global_V is not None and lay.V != global_V:
+        raise ValueError(
+            f"[cce vocab-parallel, rank {rank}] the ranks' blocks (sizes {list(sizes)}, total "
+            f"{lay.V}) do not cover the classifier's V = {global_V} rows"
+        )
+    k = 2 + len(_SAME)
+    if bool((table[:, k] != 0).all()):
+        sums = table[:, k + 1 :]
+        bad = [_CHECKSUMS[j] for j in range(len(_CHECKSUMS)) if not bool((sums[:, j] == sums[0, j]).all())]
+        if bad:
+            what = "targets" if all(b.startswith("t_") for b in bad) else "e"
+            raise ValueError(
+                f"[cce vocab-parallel, rank {rank}] {what} differs across ranks (checksums {bad} "
+                "disagree): vocabulary parallelism needs the same e and targets on every rank of "
+                "the group. Under FSDP2 (data parallel, each rank its own tokens) use "
+                "cce.distributed.lm_head_linear_cross_entropy(lm_head, e, targets) or compute "
+                "the loss inside the model's forward, where FSDP2 has unsharded the weight. If e "
+                "is replicated only up to rounding by design, pass check_replicated=False."
+            )
+    # Targets hold global ids: check them against the global V (identical on every rank).
+    check_target_range(targets, lay.V, opts.ignore_index)
+    return lay
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor classifiers
+# ---------------------------------------------------------------------------------------------
+
+
+def from_dtensor(c, bias, weight, process_group):
+    """(c_local, bias_local, weight_local, group, global V) for a Shard(0) DTensor classifier."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = c.device_mesh, c.placements
+    shard_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    others_ok = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in shard_dims)
+    if len(shard_dims) != 1 or not others_ok:
+        raise ValueError(
+            f"a DTensor classifier must be sharded on dim 0 (Shard(0)) over exactly one mesh "
+            f"dimension and replicated over the others, got placements {tuple(placements)}"
+        )
+    group = mesh.get_group(shard_dims[0])
+    if process_group is not None and process_group is not group:
+        raise ValueError("process_group differs from the DTensor classifier's mesh group; pass one")
+
+    def local(name, t):
+        if t is None or not is_dtensor(t):
+            return t
+        if tuple(t.placements) != tuple(placements) or t.device_mesh != mesh:
+            raise ValueError(
+                f"{name} is a DTensor with placements {tuple(t.placements)}; it must be sharded "
+                f"like the classifier ({tuple(placements)})"
+            )
+        return t.to_local()
+
+    return c.to_local(), local("bias", bias), local("weight", weight), group, c.shape[0]
+
+
+def replicated_local(name, t):
+    if t is None or not is_dtensor(t):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    if not all(isinstance(p, Replicate) for p in t.placements):
+        raise ValueError(f"{name} as a DTensor must be replicated, got placements {tuple(t.placements)}")
+    return t.to_local()

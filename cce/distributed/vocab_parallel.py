@@ -1,0 +1,316 @@
+"""Vocabulary-parallel linear cross entropy over ``torch.distributed``, and FSDP2-sharded heads.
+
+Vocabulary parallelism (Megatron / flash-attn style): every rank of a process group holds a
+contiguous block of classifier rows ``c_local`` (blocks in rank order, sizes may differ), the
+same hidden states ``e`` and the same global ``targets``. Each rank reduces its block of logits
+to per-token statistics (see cce/_math.py)::
+
+    lse_r = logsumexp_{v in block r} L_v,   tgt_r = L_t if t in block r else 0,
+    ssum_r = sum_{v in block r} w_v L_v,   W_r = sum_{v in block r} w_v
+
+one all-gather of these (O(N) per rank, never O(N V)) gives the global ones
+
+    lse = logsumexp_r lse_r,  tgt = sum_r tgt_r,  ssum = sum_r ssum_r,  W = sum_r W_r
+
+and the loss is ``_math.token_loss`` of them: the same on every rank, equal to the one-device
+loss. The combine is plain differentiable torch; autograd hands each rank's local op upstream
+gradients (g_lse, g_tgt, g_ssum) on its own statistics, so that its logit gradient is
+
+    dL_v = g_lse p_v + g_tgt [v == t] + g_ssum w_v,     p_v = exp(L_v - lse_r)
+
+which is the kernels' (alpha, beta, gamma) form with alpha = g_lse, beta = -g_tgt,
+gamma = -g_ssum (g_lse p_v equals the global alpha times the global softmax, since
+g_lse = alpha exp(lse_r - lse)). dC_local and dbias_local stay local; dE is summed over ranks
+by an all-reduce in backward (the only collective there), in fp32 before the cast to e's dtype.
+
+Replicated-loss convention: the loss is computed redundantly on every rank, so the backward of
+the all-gather just takes this rank's slice (no communication). This is exact when every rank
+back-propagates the same upstream gradient, which is the case for ``loss.backward()`` on the
+replicated loss (as in Megatron's vocab-parallel cross entropy).
+
+Every call first checks the set-up across ranks (setup.py). The rank's own work goes through
+the implementations' per-block interface, cce/ops/linear_ce/local.py. FSDP2 (data parallel,
+each rank its own tokens) is a different set-up: fsdp.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .. import _math
+from .._dispatch import is_dtensor, select_impl
+from ..ops.linear_ce.local import block_grads, block_stats
+from ..ops.linear_ce.rows import flatten_rows
+from ..options import CCEOptions, Tuning
+from .collectives import GatherReplicated, GatherSummed, GatherTokens, ScaleGrad, all_gather
+from .setup import Layout, check_setup, from_dtensor, replicated_local
+
+# ---------------------------------------------------------------------------------------------
+# Local statistics of one vocabulary block (the per-rank op)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Local:
+    """What the local op needs besides the differentiable inputs (e2d, c_local, bias_local)."""
+
+    weight: torch.Tensor | None  # [V_local] class weights of this block
+    rows: torch.Tensor | None  # shift: problem row -> row of e2d
+    local_t: torch.Tensor  # [N] target id within this block, -1 when not in it / ignored
+    valid: torch.Tensor  # [N] target != ignore_index (the row counts somewhere)
+    softcap: float
+    smoothing: bool  # whether ssum is needed
+    filter_eps: float
+    tuning: Tuning
+
+
+def _local_problem_targets(lc: _Local) -> torch.Tensor:
+    """Local targets for a one-block problem with ignore_index=-1: -1 at ignored rows, the local
+    id in the block, a stand-in 0 for rows whose target lives on another rank (they still need
+    lse; their target coefficient is 0)."""
+    return torch.where(lc.valid, lc.local_t.clamp(min=0), torch.full_like(lc.local_t, -1))
+
+
+class _LocalStats(torch.autograd.Function):
+    """(lse, tgt, ssum) of this rank's block; backward takes upstream gradients on them."""
+
+    @staticmethod
+    def forward(ctx, e2d, c, bias, lc: _Local, impl: str, group):
+        t = _local_problem_targets(lc)
+        lse, tgt, ssum = block_stats(
+            impl, e2d, c, bias, lc.weight, lc.rows, t, lc.softcap, lc.smoothing, lc.tuning
+        )
+        tgt = torch.where(lc.local_t >= 0, tgt, 0.0)  # the stand-in target of rows on other ranks
+        ctx.lc, ctx.impl, ctx.group = lc, impl, group
+        ctx.save_for_backward(e2d, c, bias, lse, tgt)
+        if ssum is None:
+            ssum = lse.new_zeros(0)
+        return lse, tgt, ssum
+
+    @staticmethod
+    def backward(ctx, g_lse, g_tgt, g_ssum):
+        e2d, c, bias, lse, tgt = ctx.saved_tensors
+        lc: _Local = ctx.lc
+        need_de, need_dc, need_db = ctx.needs_input_grad[:3]
+        need_db = need_db and bias is not None
+        if not (need_de or need_dc or need_db):
+            return None, None, None, None, None, None
+        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
+        alpha = torch.where(lc.valid, g_lse.to(lse.dtype), zero)
+        beta = torch.where(lc.valid & (lc.local_t >= 0), -g_tgt.to(lse.dtype), zero)
+        gamma = torch.where(lc.valid, -g_ssum.to(lse.dtype), zero) if lc.smoothing else None
+        dE, dC, db = block_grads(
+            ctx.impl, e2d, c, bias, lc.weight, lc.rows, _local_problem_targets(lc), lse, alpha, beta, gamma,
+            lc.softcap, lc.filter_eps, need_de, need_dc, need_db, lc.tuning,
+        )  # fmt: skip
+        if need_de and ctx.group is not None:
+            # This block's share of dE; the full dE is the sum over ranks, reduced in the
+            # accumulation dtype and rounded to e's dtype once. (Every rank needs dE here: the
+            # set-up check compared e.requires_grad across ranks.)
+            dist.all_reduce(dE, group=ctx.group)
+        # Cast one gradient at a time, dropping each fp32 buffer before the next cast, so the
+        # peak holds one fp32 / low-precision pair, not all of them.
+        dE = dE.to(e2d.dtype) if need_de else None
+        dC = dC.to(c.dtype) if need_dc else None
+        db = db.to(bias.dtype) if need_db else None
+        return dE, dC, db, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, impl, group, tokens_sharded):
+    """Per-token (loss, lse, valid, w_t) over the whole vocabulary for the rows e2d[rows] and
+    the global targets tgt, from this rank's block and one all-gather of statistics."""
+    valid = tgt != opts.ignore_index
+    start, V_local = lay.start, c.shape[0]
+    inblk = valid & (tgt >= start) & (tgt < start + V_local)
+    local_t = torch.where(inblk, tgt - start, torch.full_like(tgt, -1))
+    smoothing = opts.label_smoothing > 0
+    lc = _Local(
+        weight=weight,
+        rows=rows,
+        local_t=local_t,
+        valid=valid,
+        softcap=opts.softcap_value,
+        smoothing=smoothing,
+        filter_eps=opts.resolved_filter_eps(e2d.dtype),
+        tuning=opts.resolved_tuning,
+    )
+    # Replicated tokens: the local op all-reduces dE itself. Sharded tokens: the all-gather of
+    # the tokens reduce-scatters it in its backward.
+    lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, impl, None if tokens_sharded else group)
+
+    # One all-gather of everything the loss needs: lse, tgt[, ssum][, w_t, W] per rank.
+    parts = [lse_r, tgt_r]
+    if smoothing:
+        parts.append(ssum_r)
+    if weight is not None:
+        wl = weight.to(lse_r.dtype)
+        w_t_r = torch.where(inblk, wl[local_t.clamp(min=0)], 0.0)  # w_t where t is in my block
+        parts += [w_t_r, wl.sum().reshape(1)]
+    gather = GatherSummed if tokens_sharded else GatherReplicated
+    G = gather.apply(torch.cat(parts), group).float()  # [world, K]
+    N = tgt.numel()
+    lse = torch.logsumexp(G[:, :N], dim=0)
+    tgt_g = G[:, N : 2 * N].sum(0)
+    off = 2 * N
+    ssum = None
+    if smoothing:
+        ssum = G[:, off : off + N].sum(0)
+        off += N
+    if weight is not None:
+        w_t = G[:, off : off + N].sum(0).detach()
+        W = G[:, off + N].sum().detach()
+    else:
+        w_t = valid.float()
+        W = float(lay.V)
+    k = _math.LossConsts(float(opts.label_smoothing), float(opts.z_loss), lay.V)
+    return _math.token_loss(lse, tgt_g, ssum, w_t, W, valid, k), lse, valid, w_t
+
+
+def _finish(loss_tok, lse, valid, w_t, opts: CCEOptions, out_shape):
+    loss = _math.reduce_loss(loss_tok, w_t, opts.reduction)
+    if opts.reduction == "none":
+        loss = loss.reshape(out_shape)
+    if opts.return_lse:
+        return loss, torch.where(valid, lse, 0.0).reshape(out_shape)
+    return loss
+
+
+def _group_of(c, bias, weight, process_group):
+    global_V = None
+    if is_dtensor(c):
+        c, bias, weight, process_group, global_V = from_dtensor(c, bias, weight, process_group)
+    if process_group is None:
+        raise ValueError(
+            "vocabulary parallelism needs process_group= (or a DTensor classifier sharded Shard(0))"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized (call init_process_group first)")
+    return c, bias, weight, process_group, global_V
+
+
+def vocab_parallel_with_options(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    opts: CCEOptions,
+    process_group=None,
+    *,
+    check_replicated: bool = True,
+):
+    """:func:`linear_cross_entropy_vocab_parallel` with its options in a :class:`CCEOptions`
+    (the form ``cce.linear.linear_cross_entropy_with_options`` dispatches to)."""
+    c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
+    e = replicated_local("e", e)
+    targets = replicated_local("targets", targets)
+    lay = check_setup(e, c, targets, bias, weight, opts, group, check_replicated, global_V)
+    impl = select_impl(opts.impl, e.device)
+    e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
+    out = _stats_loss(e2d, rows, tgt, c, bias, weight, opts, lay, impl, group, tokens_sharded=False)
+    return _finish(*out, opts, out_shape)
+
+
+def vocab_parallel_sharded_tokens(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    opts: CCEOptions,
+    process_group=None,
+    *,
+    grad_divide: float = 1.0,
+):
+    """Vocabulary parallelism when every rank has its own tokens (data parallel, e.g. FSDP2).
+
+    The tokens (``e`` rows, O(N D) per rank, after the shift) are all-gathered instead of the
+    classifier (O(V D)); every rank computes its block's statistics for all ranks' tokens, the
+    statistics are combined as in :func:`linear_cross_entropy_vocab_parallel`, and each rank
+    returns the loss of its own tokens. Backward: each rank's ``e`` gets the gradient of its own
+    loss (a reduce-scatter); ``c_local`` / ``bias`` get the sum over ranks of every rank's loss
+    gradient for the block, divided by ``grad_divide`` (the number of ranks reproduces FSDP2's
+    gradient averaging). Ranks may hold different numbers of tokens.
+    """
+    c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
+    lay = check_setup(e, c, targets, bias, weight, opts, group, False, global_V, tokens_sharded=True)
+    impl = select_impl(opts.impl, e.device)
+    e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
+    if rows is not None:
+        e2d = e2d.index_select(0, rows)  # the shifted rows, so that all ranks' rows line up
+    n, n_max = tgt.numel(), max(lay.ns)
+    if n_max > n:  # pad to a common length with ignored rows
+        e2d = torch.nn.functional.pad(e2d, (0, 0, 0, n_max - n))
+        tgt = torch.nn.functional.pad(tgt, (0, n_max - n), value=opts.ignore_index)
+    E = GatherTokens.apply(e2d.contiguous(), group)  # [world * n_max, D]
+    T = all_gather(tgt, group).flatten()
+    if grad_divide != 1.0:
+        c = ScaleGrad.apply(c, 1.0 / grad_divide)
+        bias = None if bias is None else ScaleGrad.apply(bias, 1.0 / grad_divide)
+    loss_tok, lse, valid, w_t = _stats_loss(E, None, T, c, bias, weight, opts, lay, impl, group, True)
+    mine = slice(lay.rank * n_max, lay.rank * n_max + n)
+    return _finish(loss_tok[mine], lse[mine], valid[mine], w_t[mine], opts, out_shape)
+
+
+def linear_cross_entropy_vocab_parallel(
+    e: torch.Tensor,
+    c_local: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    process_group=None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    shift: bool = False,
+    softcap: float | None = None,
+    label_smoothing: float = 0.0,
+    weight: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    filter_eps: float | str | None = "auto",
+    impl: str = "auto",
+    return_lse: bool = False,
+    check_replicated: bool = True,
+):
+    """:func:`cce.linear_cross_entropy` with the classifier split by vocabulary rows over ranks.
+
+    Args:
+        e: hidden states ``(..., D)``, the same on every rank of ``process_group``.
+        c_local: this rank's block of classifier rows ``(V_local, D)``; the blocks are contiguous
+            and in rank order, sizes may differ (V need not divide evenly), none empty. A
+            ``DTensor`` sharded ``Shard(0)`` may be passed instead: its local block and its mesh
+            group are used (``bias`` / ``weight`` then likewise DTensors or plain local blocks).
+        targets: global class ids, the same on every rank.
+        bias, weight: this rank's blocks ``(V_local,)`` of the bias and class weights.
+        process_group: the group the vocabulary is split over (None with a DTensor ``c_local``).
+        check_replicated: compare checksums of ``e`` and ``targets`` across ranks (two
+            reductions over ``e``; always on unless disabled here).
+        Other options: as :func:`cce.linear_cross_entropy`.
+
+    Returns:
+        What :func:`cce.linear_cross_entropy` returns for the whole classifier, identical on
+        every rank. ``e``'s gradient is the full one (summed over ranks), ``c_local``'s and
+        ``bias``'s the gradient of this rank's block. Call ``backward`` on every rank with the
+        same upstream gradient (as ``loss.backward()`` does).
+    """
+    opts = CCEOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        shift=shift,
+        softcap=softcap,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        filter_eps=filter_eps,
+        impl=impl,
+        return_lse=return_lse,
+    )
+    return vocab_parallel_with_options(
+        e, c_local, targets, bias, weight, opts, process_group, check_replicated=check_replicated
+    )

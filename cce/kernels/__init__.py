@@ -1,1 +1,0 @@
-"""Triton kernels and their launchers (checks, allocation, grid, strides; no autograd)."""

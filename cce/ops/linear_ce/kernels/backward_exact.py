@@ -1,0 +1,368 @@
+"""The exact backward (filter_eps 0): dZ formed slab by slab of the vocabulary, the gradient
+products by cuBLAS.
+
+For each slab of vocabulary tiles a kernel stores dZ[:, slab] in the operand dtype (the target
+term included, smoothing folded in when gamma is given; dz.py has the maths and the rounding);
+cuBLAS then writes dC[slab] = dZ_slab^T @ E_sorted once (fp32 accumulation inside the GEMM, one
+rounding to c's dtype: no fp32 dC buffer) and accumulates dE_sorted += dZ_slab @ C_slab into an
+fp32 [N, D] buffer. Four matmul-sized passes: the forward, the dZ recompute, the two products.
+
+On Hopper (common.use_tma) the slab kernel reads its tiles by tensor descriptors with the
+forward's 128 x 256 tiles and one flat (tile, D chunk) loop; its epilogue has no per-entry
+target or row work, the target entries being overwritten exactly by _dz_target_kernel. Elsewhere
+a pointer-load kernel forms each tile with the target term in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import num_sms
+from ... import jit_math as jm
+from .common import (
+    add_target_lo,
+    check_inputs,
+    config,
+    device_context,
+    logit_tile,
+    precision,
+    target_logits,
+    tensor_descriptor,
+    tma_rows_ok,
+    use_tma,
+)
+from .dz import dense_dz, round_dz, store_dz
+from .forward import FWD_PROGRAMS_PER_SM_TMA
+
+
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "FOLD_SMOOTH": lambda a: a["Gamma"] is not None,
+        "SCALE_DZ": lambda a: a["InvScale"] is not None,
+    }
+)
+@triton.jit
+def _dz_slab_tma_kernel(
+    E,  # descriptor of the gathered rows [N, D] (row i = sorted row i)
+    C,  # descriptor of c [V, D]
+    Bias, W,  # [V] or None
+    NValid,  # [1] int32
+    Lse, Alpha,  # [N] fp32 per sorted row
+    Gamma,  # [N] fp32 smoothing coefficient folded into dZ, or None
+    DZ,  # [N, slab] operand dtype; column 0 is tile0's first class
+    InvScale,  # [1] fp32 1 / max |alpha| (fp16), or None
+    N, V, D, stride_dz, tile0, tile_hi, n_splits, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The dZ slab by tensor descriptors: each program walks its balanced share of the slab's
+    tiles [tile0, tile_hi) for one token block in one flat (tile, D chunk) loop, as the forward
+    kernel does. It stores (alpha p [- gamma w]) softcap'; _dz_target_kernel then overwrites the
+    target entries. Rows past n_valid get p = 0 through lse = +inf (and alpha = 0), columns past
+    V are not stored.
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return  # rows past n_valid stay as zeroed by the launcher
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=float("inf"))
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    if SCALE_DZ:
+        # fp16: one global scale (1 / max |alpha|) keeps alpha p above fp16's normal range.
+        alpha = alpha * tl.load(InvScale)
+    if FOLD_SMOOTH:
+        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
+        if SCALE_DZ:
+            gamma = gamma * tl.load(InvScale)
+    t0 = tile0 + (pid_s * (tile_hi - tile0)) // n_splits
+    t1 = tile0 + ((pid_s + 1) * (tile_hi - tile0)) // n_splits
+    k_tiles = tl.cdiv(D, BLOCK_D)
+    ki = -1
+    tile = t0 - 1
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    row_ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz  # [BLOCK_N, 1]
+    for _ in range(0, (t1 - t0) * k_tiles):
+        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+        if ki == 0:
+            tile += 1
+        a = E.load([start, ki * BLOCK_D])  # [BLOCK_N, BLOCK_D]
+        b = C.load([tile * BLOCK_V, ki * BLOCK_D])  # [BLOCK_V, BLOCK_D]
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+        if ki == k_tiles - 1:
+            offs_p = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_mask = offs_p < V
+            L = acc
+            if HAS_BIAS:
+                L += tl.load(Bias + offs_p, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_SOFTCAP:
+                L, th = jm.softcap(L, softcap)
+            dz = alpha[:, None] * jm.exp(L - lse[:, None])  # [BLOCK_N, BLOCK_V]
+            if FOLD_SMOOTH:
+                if HAS_WEIGHT:
+                    w = tl.load(W + offs_p, mask=col_mask, other=0.0).to(tl.float32)
+                    dz -= gamma[:, None] * w[None, :]
+                else:
+                    dz -= gamma[:, None]
+            if HAS_SOFTCAP:
+                dz *= 1.0 - th * th
+            dz_ptr = row_ptr + (offs_p - tile0 * BLOCK_V)[None, :]
+            tl.store(dz_ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None] & col_mask[None, :])
+            acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+
+
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "FOLD_SMOOTH": lambda a: a["Gamma"] is not None,
+        "SCALE_DZ": lambda a: a["InvScale"] is not None,
+        "TARGET_LO": lambda a: a["TLo"] is not None,
+        "NEED_DBIAS": lambda a: a["dBias"] is not None,
+    }
+)
+@triton.jit
+def _dz_slab_kernel(
+    E, C,  # [*, D] hidden states (rows through Erow), [V, D] classifier
+    Bias, W,  # [V] or None
+    Erow, Tgt,  # [N] e2d row and target of each sorted position
+    NValid,  # [1] int32
+    Lse, Alpha, Beta,  # [N] fp32 per sorted row
+    Gamma,  # [N] fp32 smoothing coefficient folded into dZ, or None
+    DZ,  # [N, slab] operand dtype; column 0 is tile0's first class
+    InvScale,  # [1] fp32 1 / max |alpha| (fp16), or None
+    TLo,  # [N] fp32 target entries' rounding remainders, or None
+    dBias,  # [V] fp32 (atomics), or None
+    N, V, D, stride_e, stride_c, stride_dz, tile0, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The dZ slab by pointer loads, one (token block, tile) per program: the full dZ tile
+    (dz.dense_dz, target term included) rounded and stored (dz.store_dz); colsum(dZ) to dbias.
+    Rows past n_valid in a partly valid block are stored as zeros."""
+    pid_n = tl.program_id(0)
+    pid_v = tl.program_id(1) + tile0
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return  # rows past n_valid stay as zeroed by the launcher
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    offs_p = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    vid = offs_p.to(tl.int64)
+    L = logit_tile(
+        E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
+    )  # [BLOCK_N, BLOCK_V]
+    if HAS_BIAS:
+        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    beta = tl.load(Beta + offs_n, mask=row_mask, other=0.0)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
+    is_t = (vid[None, :] == tgt[:, None]) & row_mask[:, None] & col_mask[None, :]
+    dz, _p = dense_dz(
+        L, lse, alpha, beta, Gamma, W, offs_n, vid, is_t, row_mask, col_mask, softcap,
+        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT,
+    )  # fmt: skip
+    if NEED_DBIAS:
+        tl.atomic_add(dBias + vid, tl.sum(dz, axis=0), mask=col_mask, sem="relaxed")
+    store_dz(
+        dz, is_t, offs_n, row_mask, offs_p, col_mask, DZ, InvScale, TLo, N, stride_dz, tile0 * BLOCK_V,
+        SCALE_DZ, TARGET_LO,
+    )  # fmt: skip
+
+
+@triton.heuristics(
+    {
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "FOLD_SMOOTH": lambda a: a["Gamma"] is not None,
+        "SCALE_DZ": lambda a: a["InvScale"] is not None,
+        "TARGET_LO": lambda a: a["TLo"] is not None,
+    }
+)
+@triton.jit
+def _dz_target_kernel(
+    Zt,  # [N] fp32 target logits (softcap applied) of the sorted rows
+    Tgt, NValid, Lse, Alpha, Beta,  # per sorted row
+    Gamma, W,  # smoothing coefficient and class weights, or None
+    DZ, InvScale, TLo,  # as in _dz_slab_kernel
+    v0, v1, stride_dz, softcap,
+    HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Overwrites the target entries of a dZ slab (classes [v0, v1)) with their exact value
+    (alpha p_t - beta [- gamma w_t]) softcap'(z_t), p_t = exp(z_t - lse), from the target logits:
+    the TMA slab kernel stored alpha p_t [- gamma w_t] there. TARGET_LO: that entry's rounding
+    remainder to TLo."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_valid = tl.load(NValid)
+    valid = offs < n_valid
+    t = tl.load(Tgt + offs, mask=valid, other=-1).to(tl.int64)
+    m = valid & (t >= v0) & (t < v1)
+    zt = tl.load(Zt + offs, mask=m, other=0.0)
+    lse = tl.load(Lse + offs, mask=m, other=0.0)
+    alpha = tl.load(Alpha + offs, mask=m, other=0.0)
+    beta = tl.load(Beta + offs, mask=m, other=0.0)
+    v = alpha * tl.exp(zt - lse) - beta
+    if FOLD_SMOOTH:
+        gamma = tl.load(Gamma + offs, mask=m, other=0.0)
+        if HAS_WEIGHT:
+            gamma *= tl.load(W + t, mask=m, other=0.0).to(tl.float32)
+        v -= gamma
+    if HAS_SOFTCAP:
+        r = zt / softcap
+        v *= 1.0 - r * r
+    vr, back, _inv = round_dz(v, DZ, InvScale, SCALE_DZ)
+    tl.store(DZ + offs.to(tl.int64) * stride_dz + (t - v0), vr, mask=m)
+    if TARGET_LO:
+        tl.store(TLo + offs, v - back, mask=m)
+
+
+@dataclass
+class ExactOut:
+    """dE (fp32, sorted rows [N, D]), dC (c.dtype), dbias (fp32); None where not needed."""
+
+    dE: torch.Tensor | None
+    dC: torch.Tensor | None
+    dbias: torch.Tensor | None
+
+
+def linear_ce_backward_exact(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    erow: torch.Tensor,
+    tgt: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    gamma: torch.Tensor | None,
+    softcap: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+    slab_bytes: int,
+    tma: bool | None = None,
+) -> ExactOut:
+    """Exact gradients of the sorted rows ``e2d[erow]`` (tgt, lse, alpha, beta, gamma per sorted
+    row; ``gamma`` given folds the smoothing term into dZ) through dZ slabs of at most
+    ``slab_bytes``. Extra memory: the slab, the sorted rows of e and dE's fp32 buffer.
+
+    ``tma`` (default: common.use_tma, without a bias gradient) forms the slabs by the
+    tensor-descriptor kernel.
+    """
+    check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma)
+    N = erow.numel()
+    V, D = c.shape
+    dev = e2d.device
+    simple = not need_dbias and tma_rows_ok(c)
+    tma = (simple and use_tma(e2d, c)) if tma is None else tma
+    if tma and not simple:
+        raise ValueError("tma=True: no bias gradient, 16-byte aligned classifier rows")
+    cfg = config(e2d.dtype, "fwd" if tma else "bwd")
+    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
+    f32 = torch.float32
+    esz = e2d.element_size()
+    slab_tiles = max(1, min(n_vtiles, slab_bytes // max(1, N * esz * cfg.BLOCK_V)))
+    if tma:
+        max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * num_sms(dev), n_blocks))
+        if max_splits <= slab_tiles < n_vtiles:
+            # A whole number of tiles per split (the splits are the grid's waves of equal programs).
+            slab_tiles = min(n_vtiles, round(slab_tiles / max_splits) * max_splits)
+    slab = slab_tiles * cfg.BLOCK_V
+    dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
+    # Every slab writes all of its rows of dC (no memset of V x D) unless there are no rows at all.
+    dC = (torch.empty if N > 0 else torch.zeros)((V, D), dtype=c.dtype, device=dev) if need_dc else None
+    db = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
+    out = ExactOut(dE, dC, db)
+    if N == 0 or not (need_de or need_dc or need_dbias):
+        return out
+    # Rows past n_valid are never written by the kernels: zero once, they stay zero.
+    DZ = torch.zeros((N, slab), dtype=e2d.dtype, device=dev)
+    scale = inv = None
+    if e2d.dtype == torch.float16:
+        scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
+        inv = (1.0 / scale).contiguous()
+    E_s = e2d.index_select(0, erow) if (need_dc or tma) else None
+    # The target entry's rounding remainder goes back into the fp32 dE (dC is rounded once).
+    lo = torch.zeros(N, dtype=f32, device=dev) if (e2d.dtype != f32 and need_de) else None
+    ctx = device_context(dev)
+    if tma:
+        TD = tensor_descriptor()
+        e_desc = TD.from_tensor(E_s, [cfg.BLOCK_N, cfg.BLOCK_D])
+        c_desc = TD.from_tensor(c, [cfg.BLOCK_V, cfg.BLOCK_D])
+        zt = torch.empty(N, dtype=f32, device=dev)
+        with ctx:
+            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt)
+    common = dict(
+        Bias=bias, W=weight, NValid=n_valid, Lse=lse, Alpha=alpha, Gamma=gamma, DZ=DZ, InvScale=inv,
+        softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V,
+        BLOCK_D=cfg.BLOCK_D, PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    for t0 in range(0, n_vtiles, slab_tiles):
+        nt = min(slab_tiles, n_vtiles - t0)
+        v0, v1 = t0 * cfg.BLOCK_V, min(V, (t0 + nt) * cfg.BLOCK_V)
+        with ctx:
+            if tma:
+                splits = min(nt, max_splits)
+                _dz_slab_tma_kernel[(n_blocks, splits)](
+                    E=e_desc, C=c_desc, N=N, V=V, D=D, stride_dz=slab, tile0=t0, tile_hi=t0 + nt,
+                    n_splits=splits, **common,
+                )  # fmt: skip
+                TB = 256
+                _dz_target_kernel[(triton.cdiv(N, TB),)](
+                    Zt=zt, Tgt=tgt, NValid=n_valid, Lse=lse, Alpha=alpha, Beta=beta, Gamma=gamma,
+                    W=weight, DZ=DZ, InvScale=inv, TLo=lo, v0=v0, v1=v1, stride_dz=slab,
+                    softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK=TB,
+                )  # fmt: skip
+            else:
+                _dz_slab_kernel[(n_blocks, nt)](
+                    E=e2d, C=c, Erow=erow, Tgt=tgt, Beta=beta, TLo=lo, dBias=db, N=N, V=V, D=D,
+                    stride_e=e2d.stride(0), stride_c=c.stride(0), stride_dz=slab, tile0=t0, **common,
+                )  # fmt: skip
+        dz = DZ[:, : v1 - v0]
+        if dE is not None:
+            c_slab = c[v0:v1]
+            if scale is None and dz.is_cuda and dz.dtype != f32:
+                # Accumulated by the GEMM itself (beta = 1, fp32 output): no fp32 [N, D]
+                # temporary per slab to write, read back and add.
+                torch.addmm(dE, dz, c_slab, out_dtype=f32, out=dE)
+            else:
+                dE += mm_f32(dz, c_slab, scale)
+        if dC is not None:
+            if scale is None and c.dtype != f32 and dev.type == "cuda":
+                # fp32 accumulation inside the GEMM, one rounding to c's dtype, no fp32 temporary.
+                torch.mm(dz.T, E_s, out=dC[v0:v1])
+            else:
+                dC[v0:v1] = mm_f32(dz.T, E_s, scale)
+    if lo is not None:
+        add_target_lo(e2d, c, torch.arange(N, device=dev), tgt, lo, dE, None)
+    return out
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """a @ b in fp32 (GEMM accumulation in fp32), times ``scale`` if given."""
+    if a.dtype == torch.float32:
+        out = torch.mm(a, b)
+    elif a.is_cuda:
+        out = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        out = torch.mm(a.float(), b.float())
+    return out if scale is None else out * scale

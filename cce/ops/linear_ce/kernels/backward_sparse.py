@@ -1,0 +1,519 @@
+"""The sparse backward: the forward's tile statistics decide which tiles are recomputed at all.
+
+A tile (token block x vocabulary tile, vocabulary in the sorted order) is recomputed only when
+the forward found a non-target probability of one of its rows that may reach the threshold
+(tile_stats.py). Every other tile contributes through its rank-1 correction: alpha_i S_ij
+mean(C_j) to dE (S_ij its non-target mass) and q_v G_j to dC; every target entry
+alpha p_t - beta is added exactly. dE and dC are each written once by their kernel, one program
+owning a (token block, D chunk) of dE or a (vocabulary tile, D chunk) of dC: no atomics and no
+fp32 gradient buffers. Kept tiles' dZ are computed once into scratch slots (past them, once per
+D chunk of the output); the slots and the codes live in dE's own buffer (stash.py).
+docs/design.md states the error bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import interpreting
+from ... import jit_math as jm
+from .common import check_inputs, config, device_context, logit_tile, precision, stats_blocks, tile_cols
+from .stash import de_rounds, shares_memory, stash_layout, to_e_rows
+from .tile_stats import STATS_STEPS, tile_means
+
+
+@triton.jit
+def _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask):
+    """(e2d row int64, target int64 (-1 masked), lse, alpha) of a token block's sorted rows."""
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    return erow, tgt, lse, alpha
+
+
+@triton.jit
+def _dz_tile(
+    E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(dZ tile in the operand dtype, its scale): alpha p softcap' at the non-target entries.
+
+    The target entries are 0 here; their exact term is added in fp32 by the caller. SCALE_DZ
+    (fp16): the tile is scaled to max |dZ| = 1 before rounding (alpha p can sit below fp16's
+    normal range), the products are to be multiplied by the returned scale.
+    """
+    L = logit_tile(
+        E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
+    )  # [BLOCK_N, BLOCK_V]
+    if HAS_BIAS:
+        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
+        L += b[None, :]
+    if HAS_SOFTCAP:
+        L, th = jm.softcap(L, softcap)
+    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
+    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    if SCALE_DZ:
+        scale = tl.max(tl.max(tl.abs(dz), axis=1), axis=0)
+        scale = tl.where(scale > 0, scale, 1.0)
+        dzc = (dz / scale).to(E.dtype.element_ty)
+    else:
+        scale = 1.0
+        dzc = dz.to(E.dtype.element_ty)
+    return dzc, scale
+
+
+@triton.jit
+def _kept_dz(
+    Scratch, ScaleBuf, gk, cap,
+    E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The dZ tile of the gk-th kept tile: from the scratch written by _kept_dz_kernel when it has a
+    slot there (gk < cap), else recomputed."""
+    if gk < cap:
+        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+        dzc = tl.load(Scratch + gk.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs)
+        if SCALE_DZ:
+            scale = tl.load(ScaleBuf + gk)
+        else:
+            scale = 1.0
+    else:
+        dzc, scale = _dz_tile(
+            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip
+    return dzc, scale
+
+
+@triton.jit
+def _kept_dz_to_slot(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf, blk, j, slot,
+    V, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The dZ tile (token block blk, vocabulary tile j) into scratch slot ``slot``."""
+    n_valid = tl.load(NValid)
+    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
+    offs_p, col_mask, vid = tile_cols(Perm, j, V, BLOCK_V)
+    dzc, scale = _dz_tile(
+        E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    )  # fmt: skip
+    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    tl.store(Scratch + slot.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs, dzc)
+    if SCALE_DZ:
+        one = tl.arange(0, 1)
+        tl.store(ScaleBuf + slot + one, scale + tl.zeros((1,), tl.float32))
+
+
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.jit
+def _kept_dz_kernel(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, KList, NKept, Scratch, ScaleBuf,
+    V, D, stride_e, stride_c, n_vtiles, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program k: the dZ tile of the k-th kept tile (in (block, tile) order), once, into scratch
+    slot k (the dC writer reads it once per D chunk instead of recomputing it)."""
+    k = tl.program_id(0)
+    if k >= tl.load(NKept):
+        return
+    flat = tl.load(KList + k)
+    _kept_dz_to_slot(
+        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf,
+        flat // n_vtiles, flat % n_vtiles, k, V, D, stride_e, stride_c, softcap,
+        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    )  # fmt: skip
+
+
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.jit
+def _kept_dz_block_kernel(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, ListE, CntE, Scratch, ScaleBuf,
+    V, D, stride_e, stride_c, n_vtiles, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (b, s): the s-th kept tile of token block b into slot b * n_slots + s (the dE
+    writer's per-block slots; the block's later kept tiles are recomputed there)."""
+    blk = tl.program_id(0)
+    s = tl.program_id(1)
+    if s >= tl.load(CntE + blk):
+        return
+    j = tl.load(ListE + blk * (n_vtiles + 1) + s)
+    _kept_dz_to_slot(
+        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf,
+        blk, j, blk * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap,
+        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    )  # fmt: skip
+
+
+@triton.heuristics(
+    {"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_SMOOTH": lambda a: a["Gamma"] is not None}
+)
+@triton.jit
+def _sparse_de_kernel(
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, Code, ListE, CntE, Cm, WC,
+    Scratch, ScaleBuf, dE,
+    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, n_vtiles, softcap, blk0, code_row0,
+    slot_blk0, cap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, SCALE_DZ: tl.constexpr,
+    N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dE[sorted rows of token block blk0 + program_id(0), one D chunk], written once in dE's
+    dtype at the sorted rows (the caller moves them to e2d's rows):
+
+    sum over the block's kept tiles of dZ_tile @ C_tile (the first N_SLOTS from the scratch
+    slots of _kept_dz_block_kernel, block slot_blk0's first, the others recomputed)
+    + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
+    + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v: Gamma and WC,
+    or None without smoothing].
+
+    Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
+    """
+    pid_n = blk0 + tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
+    offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    acc = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+    cnt = tl.load(CntE + pid_n)
+    for k in range(0, cnt):
+        j = tl.load(ListE + pid_n * (n_vtiles + 1) + k)
+        offs_p, col_mask, vid = tile_cols(Perm, j, V, BLOCK_V)
+        gk = tl.where(k < N_SLOTS, (pid_n - slot_blk0) * N_SLOTS + k, cap)
+        dzc, scale = _kept_dz(
+            Scratch, ScaleBuf, gk, cap,
+            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip
+        c = tl.load(
+            C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
+        )  # [BLOCK_V, BLOCK_DO]
+        acc += tl.dot(dzc, c, input_precision=PRECISION) * scale
+    # Skipped tiles: S_ij = exp(-code / STEPS), the tile's non-target probability mass (times
+    # softcap'; code 255, kept tiles included: 0), against the tile mean of C. Masses <= 1, so
+    # the operand dtype holds them.
+    corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+    for j0 in range(0, n_vtiles, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        jm = offs_j < n_vtiles
+        code = tl.load(
+            Code + (offs_n - code_row0).to(tl.int64)[:, None] * stride_code + offs_j[None, :],
+            mask=row_mask[:, None] & jm[None, :], other=255,
+        ).to(tl.float32)  # fmt: skip  # [BLOCK_N, BLOCK_J]
+        S = tl.where(code < 255.0, tl.exp(code * (-1.0 / STEPS)), 0.0)
+        cm = tl.load(
+            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
+            mask=jm[:, None] & dmask[None, :], other=0.0,
+        )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
+        corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
+    acc += alpha[:, None] * corr
+    coef = tl.load(Coef + offs_n, mask=row_mask, other=0.0)
+    ct = tl.load(
+        C + tgt[:, None] * stride_c + offs_do[None, :], mask=row_mask[:, None] & dmask[None, :], other=0.0
+    ).to(tl.float32)
+    acc += coef[:, None] * ct
+    if HAS_SMOOTH:
+        gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
+        wc = tl.load(WC + offs_do, mask=dmask, other=0.0)
+        acc -= gamma[:, None] * wc[None, :]
+    tl.store(
+        dE + offs_n.to(tl.int64)[:, None] * stride_de + offs_do[None, :], acc.to(dE.dtype.element_ty),
+        mask=row_mask[:, None] & dmask[None, :],
+    )  # fmt: skip
+
+
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "HAS_SMOOTH": lambda a: a["GE"] is not None,
+    }
+)
+@triton.jit
+def _sparse_dc_kernel(
+    E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
+    Gidx, Scratch, ScaleBuf, dC,
+    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, cap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
+    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dC[ids of one vocabulary tile, one D chunk], written once in dC's dtype:
+
+    sum over the tile's kept token blocks of dZ_tile^T @ E_block (recomputed)
+    + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile)
+    + sum over the rows i with t_i in the tile of coef_i e_i (exact in fp32) [- w_v sum_i gamma_i e_i].
+    """
+    pid_v = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    offs_p, col_mask, vid = tile_cols(Perm, pid_v, V, BLOCK_V)
+    offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    acc = tl.zeros((BLOCK_V, BLOCK_DO), dtype=tl.float32)
+    cnt = tl.load(CntC + pid_v)
+    for k in range(0, cnt):
+        blk = tl.load(ListC + pid_v * (n_blocks + 1) + k)
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = offs_n < n_valid
+        erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
+        gk = tl.load(Gidx + blk * n_vtiles + pid_v)
+        dzc, scale = _kept_dz(
+            Scratch, ScaleBuf, gk, cap,
+            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        )  # fmt: skip
+        e = tl.load(
+            E + erow[:, None] * stride_e + offs_do[None, :],
+            mask=row_mask[:, None] & dmask[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_DO]
+        acc += tl.dot(tl.trans(dzc), e, input_precision=PRECISION) * scale
+    q = tl.load(Q + offs_p, mask=col_mask, other=0.0)
+    g = tl.load(G + pid_v.to(tl.int64) * stride_g + offs_do, mask=dmask, other=0.0)
+    acc += q[:, None] * g[None, :]
+    # Target entries: the rows whose target lies in this tile, one fp32 one-hot product per
+    # BLOCK_R of them (fp32 operands: the coefficient alpha p_t - beta is a cancellation).
+    seg0 = tl.load(Seg + pid_v)
+    seg1 = tl.load(Seg + pid_v + 1)
+    lanes = tl.arange(0, BLOCK_V)
+    for r0 in range(seg0, seg1, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        rm = offs_r < seg1
+        row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
+        lp = tl.load(TPos + offs_r, mask=rm, other=-1) - pid_v * BLOCK_V
+        cf = tl.load(TCoef + offs_r, mask=rm, other=0.0)
+        x = tl.load(
+            E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
+        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [BLOCK_V, BLOCK_R]
+        acc = tl.dot(onehot, x, acc, input_precision="ieee")
+    if HAS_SMOOTH:
+        if HAS_WEIGHT:
+            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(col_mask, 1.0, 0.0)
+        ge = tl.load(GE + offs_do, mask=dmask, other=0.0)
+        acc -= w[:, None] * ge[None, :]
+    tl.store(
+        dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
+        mask=col_mask[:, None] & dmask[None, :],
+    )  # fmt: skip
+
+
+@dataclass
+class SparsePlan:
+    """Everything the sparse backward kernels read besides the problem tensors (triton_impl.py
+    builds it with torch ops on the device; rows are in the valid-first order, tiles are the
+    forward's tiles of the vocabulary in ``perm`` order).
+
+    keep [n_blocks, n_tiles] int8; list_e [n_blocks, n_tiles + 1] / cnt_e: kept tiles per block;
+    list_c [n_tiles, n_blocks + 1] / cnt_c: kept blocks per tile; code [N, n_tiles] uint8: the
+    skipped tiles' masses (encode_tile_stats);
+    coef: per row, the exact target entry alpha p_t - beta (times softcap'); g [n_tiles, D] fp32
+    skipped mass times e per tile, q [V]
+    its spread within the tile (per position); trow / tpos / tcoef: valid rows ordered by the
+    tile of their target (e2d row, target position, coef) with seg [n_tiles + 1] the tile
+    boundaries; wc, ge: the smoothing terms sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
+    """
+
+    keep: torch.Tensor
+    list_e: torch.Tensor
+    cnt_e: torch.Tensor
+    list_c: torch.Tensor
+    cnt_c: torch.Tensor
+    code: torch.Tensor
+    coef: torch.Tensor
+    g: torch.Tensor | None
+    q: torch.Tensor | None
+    trow: torch.Tensor | None
+    tpos: torch.Tensor | None
+    tcoef: torch.Tensor | None
+    seg: torch.Tensor | None
+    wc: torch.Tensor | None
+    ge: torch.Tensor | None
+    gidx: torch.Tensor  # [n_blocks, n_tiles] int32: index of each kept tile among the kept ones
+    klist: torch.Tensor  # [cap + 1] int32: flat index (block * n_tiles + tile) of kept tile k < cap
+    n_kept: torch.Tensor  # [1] int32
+
+
+def sparse_config() -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_D of the recompute, BLOCK_DO of dE and of dC, BLOCK_J, BLOCK_R, num_warps).
+
+    A kept tile is recomputed once per D chunk of the output, so the chunks are as wide as the
+    accumulator allows: [BLOCK_N, 128] for dE, [BLOCK_V = 256, 64] for dC (fp32 registers)."""
+    if interpreting():
+        return 32, 32, 32, 16, 16, 4
+    return 64, 128, 64, 64, 32, 8
+
+
+def kept_scratch_tiles(N: int, dtype: torch.dtype, tiles: int | None = None) -> int:
+    """Scratch slots of the dC writer's kept dZ tiles (Tuning.dc_scratch_tiles; by default two
+    per token block: LM-like data keeps about one, the head of the sorted vocabulary); kept
+    tiles past them are recomputed by the writer."""
+    if tiles is not None:
+        return tiles
+    return 2 * triton.cdiv(N, stats_blocks(dtype)[0])
+
+
+def linear_ce_backward_sparse(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    erow: torch.Tensor,
+    tgt: torch.Tensor,
+    perm: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    gamma: torch.Tensor | None,
+    plan: SparsePlan,
+    softcap: float,
+    need_de: bool,
+    need_dc: bool,
+    stash: torch.Tensor | None = None,
+    src: torch.Tensor | None = None,
+    release: bool = True,
+    de_block_slots: int = 2,
+    move_bytes: int = 8 << 20,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
+    codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
+
+    No fp32 gradient accumulators and no atomics: one program owns a (token block, D chunk) of dE
+    or a (vocabulary tile, D chunk) of dC. The skipped tiles enter through the forward's
+    statistics; kept tiles' dZ are computed once into a scratch (past its slots, once per D chunk).
+    dC is written first, its scratch in the stash (plan.klist numbers its slots). The dE pass
+    then runs in rounds of sorted rows (stash.de_rounds) whose scratch sits in the stash past the
+    round's rows and before the codes still to be read; at the end the rows are moved to e2d's
+    order (src: sorted row of each e2d row, -1 for rows whose gradient is 0). So nothing of
+    O(N) bytes per row is allocated besides the gradients. gamma (smoothing without softcap) is
+    given with plan.wc / plan.ge. With ``release`` the plan's dC-only tensors are dropped once dC
+    is written.
+    """
+    check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma)
+    N = erow.numel()
+    V, D = c.shape
+    dev = e2d.device
+    cfg = config(e2d.dtype, "fwd")
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    n_blocks, n_vtiles = triton.cdiv(N, BN), triton.cdiv(V, BV)
+    BD, BDO_E, BDO_C, BJ, BR, warps = sparse_config()
+    smooth = gamma is not None
+    scale_dz = e2d.dtype == torch.float16
+    prec = precision(e2d.dtype)
+    ctx = device_context(dev)
+    # The problem's operands, as every kernel here takes them.
+    common = dict(
+        E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
+        V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), n_vtiles=n_vtiles,
+        softcap=float(softcap), HAS_SOFTCAP=softcap > 0, SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV,
+        PRECISION=prec,
+    )  # fmt: skip
+    dE = dC = None
+    S = de_block_slots if need_de and N > 0 else 0
+    tile = BN * BV
+    free = e2d.numel()  # elements of the stash free for the dC writer's slots
+    if need_de:
+        if stash is None or src is None or stash.shape != e2d.shape or stash.dtype != e2d.dtype:
+            raise ValueError("need_de needs a stash of e2d's shape and dtype and its row map src")
+        code_in_stash = shares_memory(plan.code, stash)
+        # The stash's tail: [kept-tile slots of the dE writer, S per block][codes]. The slots go
+        # there when they fit, else to a separate buffer (small D).
+        flat = stash.view(-1)
+        M, es = e2d.shape[0], e2d.element_size()
+        code_bytes = n_vtiles if code_in_stash else 0
+        A0, code_lo, protect = stash_layout(N, M, D, es, code_bytes, BN, BV, S)
+        slots_in_stash = A0 is not None
+        if slots_in_stash:
+            slots = flat[A0 : A0 + n_blocks * S * tile].view(n_blocks * S, BN, BV)
+            free = A0
+        else:
+            slots = torch.empty((n_blocks * S, BN, BV), dtype=e2d.dtype, device=dev)
+            free = code_lo
+        slot_scale = torch.empty(n_blocks * S, dtype=torch.float32, device=dev) if scale_dz else None
+        if S > 0:
+            with ctx:
+                _kept_dz_block_kernel[(n_blocks, S)](
+                    ListE=plan.list_e, CntE=plan.cnt_e, Scratch=slots, ScaleBuf=slot_scale,
+                    BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                )  # fmt: skip
+    if need_dc:
+        cap = min(plan.klist.numel() - 1, free // tile)
+        if need_de and cap > 0:
+            scratch = stash.view(-1)[: cap * tile].view(cap, BN, BV)
+        else:
+            scratch = torch.empty((cap, BN, BV), dtype=e2d.dtype, device=dev)
+        scalebuf = torch.empty(cap, dtype=torch.float32, device=dev) if scale_dz else None
+        if N > 0 and cap > 0:
+            with ctx:
+                _kept_dz_kernel[(cap,)](
+                    KList=plan.klist, NKept=plan.n_kept, Scratch=scratch, ScaleBuf=scalebuf,
+                    BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                )  # fmt: skip
+        dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
+        if V > 0:
+            with ctx:
+                _sparse_dc_kernel[(n_vtiles, triton.cdiv(D, BDO_C))](
+                    W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
+                    TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
+                    Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, dC=dC, stride_dc=dC.stride(0),
+                    stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap, BLOCK_D=BD, BLOCK_DO=BDO_C,
+                    BLOCK_R=BR, num_warps=warps, num_stages=2, **common,
+                )  # fmt: skip
+        del scratch, scalebuf
+    if release:
+        plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
+        plan.gidx = plan.klist = None
+    if need_de:
+        if N > 0:
+            # The tile means of C, all of D: [n_tiles, D], O(V D / BLOCK_V), alive through the pass.
+            cm = tile_means(c, perm, BV, e2d.dtype)
+            for a, b, last in de_rounds(N, D, BN, protect):
+                code, row0, sl, sl_scale, sl_blk0 = plan.code, 0, slots, slot_scale, 0
+                if last:  # copies of what the rows [a, N) read in the region they write
+                    if code_in_stash:
+                        code, row0 = plan.code[a:].clone(), a
+                    sl_blk0 = a // BN
+                    sl = slots[sl_blk0 * S :]
+                    sl = sl.clone() if slots_in_stash else sl
+                    sl_scale = slot_scale[sl_blk0 * S :] if scale_dz else slot_scale
+                with ctx:
+                    _sparse_de_kernel[(triton.cdiv(b - a, BN), triton.cdiv(D, BDO_E))](
+                        Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e, CntE=plan.cnt_e,
+                        Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale, dE=stash,
+                        stride_de=stash.stride(0), stride_code=code.stride(0), stride_cm=cm.stride(0),
+                        blk0=a // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0], N_SLOTS=S,
+                        BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ, STEPS=STATS_STEPS, num_warps=warps,
+                        num_stages=2, **common,
+                    )  # fmt: skip
+                del code, sl, sl_scale
+            del cm
+        del slots, slot_scale
+        to_e_rows(stash, src, move_bytes)
+        dE = stash
+    return dE, dC

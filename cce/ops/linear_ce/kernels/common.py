@@ -1,0 +1,222 @@
+"""What every linear-cross-entropy kernel shares: tile configurations, the logit tile, the
+target logits, device checks and the Hopper tensor-descriptor switch.
+
+Conventions of all kernels here. Token rows are read through ``erow`` (the e2d row of each
+position of the valid-first order, cce/ops/linear_ce/rows.py) and ``n_valid`` is a device
+tensor: programs whose token block starts at or after it return at once, so ignored tokens cost
+no matmul work and nothing synchronises with the host. Row and vocabulary indices are promoted to
+int64 before they are multiplied by a stride, so N * V and V * D past 2^31 (N = 16384,
+V = 256000) address correctly. ``HAS_*`` flags of optional operands are derived from ``None``
+arguments by ``triton.heuristics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import interpreting
+from ... import jit_math as jm
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    BLOCK_N: int
+    BLOCK_V: int
+    BLOCK_D: int
+    num_warps: int
+    num_stages: int
+
+
+# One fixed, small config under the interpreter (no autotune there, and it is slow). On Hopper:
+# 128 x 256 forward tiles and 128 x 128 tiles of the recomputing backward, 64-wide D chunks,
+# 8 warps, 4 pipeline stages in the backward (4 x 32 KB of bf16 operand tiles in shared memory,
+# within Hopper's 228 KB); fp32 inputs need smaller D chunks. docs/benchmarks.md has the sweeps.
+INTERPRET_CONFIG = KernelConfig(16, 32, 32, 4, 1)
+
+
+def config(dtype: torch.dtype, kind: str) -> KernelConfig:
+    """The tile configuration of the forward (``kind="fwd"``, also the tiles of the tile
+    statistics and of the sparse backward) or of the recomputing backward (``"bwd"``)."""
+    if interpreting():
+        return INTERPRET_CONFIG
+    if dtype == torch.float32:
+        return KernelConfig(128, 128, 32, 8, 3)
+    if kind == "fwd":
+        return KernelConfig(128, 256, 64, 8, 3)
+    return KernelConfig(128, 128, 64, 8, 4)
+
+
+def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_V) of the forward's tiles for ``dtype``: the tiles of the tile statistics."""
+    cfg = config(torch.float32 if dtype == torch.float64 else dtype, "fwd")
+    return cfg.BLOCK_N, cfg.BLOCK_V
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: tf32 for fp32 inputs only where the user allowed it for
+    matmuls; bf16 / fp16 ignore it."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def device_context(device: torch.device):
+    """The launches' device context (a no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def check_inputs(e2d: torch.Tensor, c: torch.Tensor, *others: torch.Tensor | None) -> None:
+    """The launchers' preconditions: one device (CUDA, or the CPU under the interpreter), unit
+    stride along D."""
+    if e2d.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, got {e2d.device} (set TRITON_INTERPRET=1 before "
+            "importing cce to run them on the CPU)"
+        )
+    for t in (c, *others):
+        if t is not None and t.device != e2d.device:
+            raise ValueError(f"all tensors must be on one device, got {e2d.device} and {t.device}")
+    if e2d.stride(-1) != 1 or c.stride(-1) != 1:
+        raise ValueError("e2d and c must have unit stride along D")
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv with inv[perm[i]] = i (int64): the position of each vocabulary id in the order."""
+    n = perm.numel()
+    return torch.empty(n, dtype=torch.long, device=perm.device).index_copy_(
+        0, perm, torch.arange(n, device=perm.device)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Hopper tensor descriptors
+
+
+def tensor_descriptor():
+    """triton's host-side TensorDescriptor class, or None for a triton without it."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+def tma_rows_ok(t: torch.Tensor) -> bool:
+    """A 2-D operand that a tensor descriptor can read in place (16-byte aligned rows)."""
+    es = t.element_size()
+    return t.stride(1) == 1 and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def use_tma(e2d: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether tiles are read by tensor descriptors: Hopper or newer, 16-bit operands, rows of a
+    multiple of 16 bytes (TMA's alignment), a triton that has them, not the interpreter."""
+    if interpreting() or e2d.device.type != "cuda" or tensor_descriptor() is None:
+        return False
+    if e2d.dtype not in (torch.bfloat16, torch.float16) or c.dtype != e2d.dtype:
+        return False
+    if (c.shape[1] * c.element_size()) % 16 != 0:
+        return False
+    return torch.cuda.get_device_capability(e2d.device)[0] >= 9
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared jit pieces
+
+
+@triton.jit
+def logit_tile(
+    E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """e[erow] @ c[vid].T in fp32, [BLOCK_N, BLOCK_V], by pointer loads; erow, vid int64."""
+    offs_d = tl.arange(0, BLOCK_D)
+    e_ptr = E + erow[:, None] * stride_e + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+    c_ptr = C + vid[:, None] * stride_c + offs_d[None, :]  # [BLOCK_V, BLOCK_D]
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dm = (d0 + offs_d) < D
+        e = tl.load(e_ptr, mask=row_mask[:, None] & dm[None, :], other=0.0)
+        c = tl.load(c_ptr, mask=col_mask[:, None] & dm[None, :], other=0.0)
+        acc = tl.dot(e, tl.trans(c), acc, input_precision=PRECISION)
+        e_ptr += BLOCK_D
+        c_ptr += BLOCK_D
+    return acc
+
+
+@triton.jit
+def tile_cols(Perm, j, V, BLOCK_V: tl.constexpr):
+    """(positions, their mask, vocabulary ids int64) of tile j of the walking order Perm."""
+    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+    return offs_p, col_mask, vid
+
+
+# ---------------------------------------------------------------------------------------------
+# Target logits
+
+
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.jit
+def _target_logit_kernel(
+    E,  # [*, D] hidden states (rows read through Erow)
+    C,  # [V, D] classifier
+    Bias,  # [V] or None
+    Erow,  # [N] e2d row of each sorted position
+    Tgt,  # [N] target id of each sorted position
+    NValid,  # [1] int32: positions from here on are ignored rows
+    Out,  # [N] fp32
+    N, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Out[i] = z of row i's target (bias and softcap applied), fp32; 0 past the valid rows."""
+    n_valid = tl.load(NValid)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        m = row_mask[:, None] & ((d0 + offs_d) < D)[None, :]
+        e = tl.load(E + erow[:, None] * stride_e + (d0 + offs_d)[None, :], mask=m, other=0.0)
+        c = tl.load(C + tgt[:, None] * stride_c + (d0 + offs_d)[None, :], mask=m, other=0.0)
+        acc += e.to(tl.float32) * c.to(tl.float32)
+    z = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        z += tl.load(Bias + tgt, mask=row_mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z, _ = jm.softcap(z, softcap)
+    tl.store(Out + offs_n, tl.where(row_mask, z, 0.0), mask=offs_n < N)
+
+
+# Rows and D chunk of a _target_logit_kernel program: N x D gathered reads are a memory-bound
+# job, so small row blocks keep many programs in flight.
+TARGET_BLOCK_N = 4
+TARGET_BLOCK_D = 256
+
+
+def target_logits(e2d, c, bias, erow, tgt, n_valid, softcap: float, out: torch.Tensor) -> None:
+    """out[i] = z of sorted row i's target (bias and softcap applied), fp32; 0 past n_valid."""
+    N, D = erow.numel(), e2d.shape[1]
+    _target_logit_kernel[(triton.cdiv(N, TARGET_BLOCK_N),)](
+        E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, NValid=n_valid, Out=out, N=N, D=D,
+        stride_e=e2d.stride(0), stride_c=c.stride(0), softcap=float(softcap),
+        HAS_SOFTCAP=softcap > 0, BLOCK_N=TARGET_BLOCK_N, BLOCK_D=TARGET_BLOCK_D,
+    )  # fmt: skip
+
+
+def add_target_lo(e2d, c, erow, tgt, lo, dE, dC, chunk: int = 8192) -> None:
+    """Adds the target entries' rounding remainders in fp32 (see dz.py): dE_i += lo_i c_t,
+    dC_t += lo_i e_i (rows in the sorted order; lo is 0 at ignored rows)."""
+    for s in range(0, lo.numel(), chunk):
+        ls, ts, es = lo[s : s + chunk, None], tgt[s : s + chunk], erow[s : s + chunk]
+        if dE is not None:
+            dE.index_add_(0, es, ls * c.index_select(0, ts).float())
+        if dC is not None:
+            dC.index_add_(0, ts, ls * e2d.index_select(0, es).float())

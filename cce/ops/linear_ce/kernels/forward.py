@@ -1,0 +1,397 @@
+"""The forward: per-row log-sum-exp, target logit and (label smoothing) weighted logit sum of
+the logits e2d[erow] @ c.T, by an online softmax over vocabulary tiles, never storing a logit.
+
+Grid: (token block, vocabulary split); the partial statistics of the splits are merged by O(N)
+torch ops (no locks). With a vocabulary order ``perm`` (training steps of the sparse backward)
+it also writes per (row, tile) statistics, from which tile_stats.py derives what the sparse
+backward keeps; docs/design.md states the maths and the error bound.
+
+On Hopper (common.use_tma) tiles are read by tensor descriptors from gathered copies (the
+valid-first rows of e; a sorted vocabulary slab by slab) in one flat (tile, D chunk) loop;
+elsewhere through pointers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import num_sms
+from ... import jit_math as jm
+from .common import (
+    check_inputs,
+    config,
+    device_context,
+    inverse_permutation,
+    logit_tile,
+    precision,
+    target_logits,
+    tensor_descriptor,
+    tma_rows_ok,
+    use_tma,
+)
+
+
+@triton.jit
+def _fwd_tile(
+    L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
+    V, n_vtiles, stride_st, softcap, log_eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, EVEN_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One logit tile L [BLOCK_N, BLOCK_V] (fp32, before bias and softcap) into the online softmax.
+
+    Per-entry work is kept to the minimum (it is the part of the tile time that the matmul does
+    not hide: a target comparison, selection and sum per entry cost a quarter of the matmul's
+    time, docs/benchmarks.md): the column mask only where V is not a multiple of the tile; with
+    STATS one comparison that takes the target out of the tile's max and mass, its term then
+    added from zt (the target logit, computed beforehand); without STATS the target is an entry
+    like any other. The exponent is scaled after the subtraction (jit_math.exp).
+    """
+    lo = tile * BLOCK_V
+    offs_p = lo + tl.arange(0, BLOCK_V)
+    col_mask = offs_p < V
+    if HAS_BIAS or HAS_WEIGHT:
+        if SORTED:
+            vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+        else:
+            vid = offs_p.to(tl.int64)
+    if HAS_BIAS:
+        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
+        L += b[None, :]  # once per tile, after the whole D loop
+    if HAS_SOFTCAP:
+        L, th = jm.softcap(L, softcap)
+    if HAS_SMOOTH:
+        if HAS_WEIGHT:
+            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
+            ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0) * w[None, :], axis=1)
+        else:
+            ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
+    if not EVEN_V:
+        # Columns past V by an additive mask on every tile. Not `if lo + BLOCK_V > V:` around
+        # a masking tl.where: that branch on the tile index measured +10-15% of the whole
+        # kernel's time on H100 (triton 3.6, the same with it never taken); the extra add 0-5%.
+        L = L + tl.where(col_mask, 0.0, float("-inf"))[None, :]
+    if STATS:
+        # The non-target max and mass are the tile statistics (tpos: the target's position in
+        # the walking order).
+        L = tl.where(offs_p[None, :] == tpos[:, None], float("-inf"), L)
+        has_t = (tpos >= lo) & (tpos < lo + BLOCK_V)
+    mx = tl.max(L, axis=1)
+    # m is finite after the first tile (every launch's split starts with a column < V) or from
+    # the start (HAS_INIT), hence exp(m - m_new) never sees -inf - -inf.
+    m_new = tl.maximum(m, mx)
+    if STATS:
+        m_new = tl.where(has_t, tl.maximum(m_new, zt), m_new)
+    pe = jm.exp(L - m_new[:, None])  # [BLOCK_N, BLOCK_V], 0 at masked (and target) columns
+    snt = tl.sum(pe, axis=1)
+    s = s * jm.exp(m - m_new) + snt
+    if STATS:
+        s += tl.where(has_t, jm.exp(zt - m_new), 0.0)
+        if not HAS_INIT:
+            ref = m_new + tl.log(s)  # the head launch walks this one tile only
+        if HAS_SOFTCAP:
+            snt = tl.sum(pe * (1.0 - th * th), axis=1)
+        st = tl.log(snt) + (m_new - ref)  # -inf where the tile holds no mass
+        u = mx - ref - log_eps
+        code = tl.minimum(tl.maximum(tl.ceil(u * 8.0), -1.0), 127.0)
+        # (tile + 0 * offs_n): a vector mask (the interpreter rejects scalar ones here).
+        smask = row_mask & ((tile + 0 * offs_n) < n_vtiles)
+        sptr = offs_n.to(tl.int64) * stride_st + tile
+        tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
+        tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
+    return m_new, s, ssum, ref
+
+
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "HAS_SMOOTH": lambda a: a["Ss"] is not None,
+        "SORTED": lambda a: a["Perm"] is not None,
+        "STATS": lambda a: a["St"] is not None,
+        "HAS_INIT": lambda a: a["M0"] is not None,
+    }
+)
+@triton.jit
+def _fwd_kernel(
+    E, C, Bias, W, Erow, TPos, Zt, NValid, Perm, M0,
+    Mx, Se, Ss, St, Sq,
+    N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tile_hi, n_splits,
+    desc_tile0, softcap, log_eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, TMA: tl.constexpr,
+    EVEN_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Per (token block, vocabulary split): running max, sum of exp, weighted logit sum.
+
+    Split pid_s of n_splits covers tiles [tile_lo + pid_s T // n_splits, tile_lo + (pid_s + 1) T //
+    n_splits) with T = tile_hi - tile_lo (the splits differ by at most one tile), of the
+    vocabulary read through ``Perm`` (position -> id) if
+    SORTED; TPos holds each row's target position in that order (STATS only) and Zt its logit.
+    HAS_INIT starts the running reference at M0 (the head tile's log-sum-exp: a lower bound of
+    every row's lse), else at -inf.
+
+    TMA: E and C are tensor descriptors (Hopper's bulk tensor copies) of the gathered rows (row
+    i of E = sorted row i) and of the vocabulary in walking order from tile ``desc_tile0`` on;
+    one loop runs over all (tile, D chunk) steps, so that the software pipeline already loads
+    the next tile while the last one's epilogue runs. Otherwise plain loads through Erow / Perm.
+
+    STATS (training forward; see linear_ce_backward_sparse) also writes, per row and tile j, with
+    ref = M0 (HAS_INIT) or, in the one-tile head launch, the tile's own log-sum-exp (= M0):
+    - St (fp16): log sum_{v in j, v != t} exp(z_v) softcap'(z_v) - ref, the non-target mass;
+    - Sq (int8): ceil(8 u) clamped to [-1, 127], u = max_{v in j, v != t} z_v - ref - log(eps).
+      A tile's largest non-target probability reaches eps only if u >= lse - ref, so the
+      backward decides from Sq (code 127 meaning "keep") without recomputing the tile.
+    """
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_valid = tl.load(NValid)
+    start = pid_n * BLOCK_N
+    if start >= n_valid:
+        return  # only ignored rows left: no work
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    if STATS:
+        tpos = tl.load(TPos + offs_n, mask=row_mask, other=-1)
+        zt = tl.load(Zt + offs_n, mask=row_mask, other=0.0)
+    else:
+        tpos = offs_n
+        zt = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_INIT:
+        m = tl.load(M0 + offs_n, mask=row_mask, other=0.0)
+    else:
+        m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    ref = m
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Balanced splits: a short last split would leave most SMs idle in the grid's last wave.
+    t0 = tile_lo + (pid_s * (tile_hi - tile_lo)) // n_splits
+    t1 = tile_lo + ((pid_s + 1) * (tile_hi - tile_lo)) // n_splits
+    if TMA:
+        k_tiles = tl.cdiv(D, BLOCK_D)
+        ki = -1
+        tile = t0 - 1
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for _ in range(0, (t1 - t0) * k_tiles):
+            ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
+            if ki == 0:
+                tile += 1
+            a = E.load([start, ki * BLOCK_D])  # [BLOCK_N, BLOCK_D]; zeros past N and D
+            b = C.load([(tile - desc_tile0) * BLOCK_V, ki * BLOCK_D])  # [BLOCK_V, BLOCK_D]
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            if ki == k_tiles - 1:
+                m, s, ssum, ref = _fwd_tile(
+                    acc, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
+                    tpos, V, n_vtiles, stride_st, softcap, log_eps,
+                    HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
+                    BLOCK_V,
+                )  # fmt: skip
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    else:
+        erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+        for tile in range(t0, t1):
+            offs_p = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+            col_mask = offs_p < V
+            if SORTED:
+                vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
+            else:
+                vid = offs_p.to(tl.int64)
+            L = logit_tile(
+                E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
+                BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            )  # fmt: skip  # [BLOCK_N, BLOCK_V]
+            m, s, ssum, ref = _fwd_tile(
+                L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
+                tpos, V, n_vtiles, stride_st, softcap, log_eps,
+                HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
+                BLOCK_V,
+            )  # fmt: skip
+    out = pid_s * stride_part + offs_n
+    tl.store(Mx + out, m, mask=row_mask)
+    tl.store(Se + out, s, mask=row_mask)
+    if HAS_SMOOTH:
+        tl.store(Ss + out, ssum, mask=row_mask)
+
+
+@dataclass
+class FwdStats:
+    """Per sorted row (first n_valid rows meaningful; the others are 0): lse, target logit, ssum.
+
+    With ``perm`` given to linear_ce_forward, also the tile statistics of the sparse backward
+    (see _fwd_kernel): ``st`` [N, n_tiles] fp16, ``sq`` [N, n_tiles] int8 and ``m0`` [N] fp32
+    (the head tile's log-sum-exp, their reference), on the forward's (BLOCK_N, BLOCK_V) tiles of
+    the vocabulary in ``perm`` order.
+    """
+
+    lse: torch.Tensor
+    tgt: torch.Tensor
+    ssum: torch.Tensor | None
+    st: torch.Tensor | None = None
+    sq: torch.Tensor | None = None
+    m0: torch.Tensor | None = None
+
+
+# Forward programs (token block x vocabulary split) per SM: each runs one tile at a time, so the
+# last wave idles (1 - fraction of a wave) of the SMs; more, shorter programs shrink that tail at
+# the cost of more partial statistics to merge (O(N) each). The TMA kernel is best at 16.
+FWD_PROGRAMS_PER_SM = 8
+FWD_PROGRAMS_PER_SM_TMA = 16
+
+# Sorted walks with TMA copy the vocabulary rows of each slab of tiles, in walking order, into
+# a buffer of about this size (Hopper has no gathering tensor copy): a transient of the forward.
+FWD_SLAB_BYTES = 64 << 20
+# ... and the sorted walk goes by descriptors from this many rows on: below, its per-slab row
+# copies, descriptors and launches cost more host time than the descriptors save.
+FWD_TMA_SORTED_MIN_N = 4096
+
+
+def linear_ce_forward(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    erow: torch.Tensor,
+    tgt: torch.Tensor,
+    n_valid: torch.Tensor,
+    softcap: float,
+    smoothing: bool,
+    perm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    programs_per_sm: int | None = None,
+    tma: bool | None = None,
+    slab_bytes: int | None = None,
+) -> FwdStats:
+    """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
+
+    ``tgt`` are the sorted rows' targets (any value for ignored rows). Partials of the vocabulary
+    splits are merged here in O(N * splits) torch ops, no locks.
+
+    ``perm`` (vocabulary ids in walking order, most probable classes first) and ``eps`` (the
+    filter threshold) turn on the tile statistics: one launch over the first (head) tile gives
+    every row's log-sum-exp there, M0, the reference of the statistics; the next launches walk
+    the other tiles with the online softmax started at M0.
+
+    ``tma`` (default: ``use_tma``, for a sorted walk from FWD_TMA_SORTED_MIN_N rows on) reads tiles
+    by tensor descriptors: the rows ``e2d[erow]`` are gathered once into an [N, D] buffer, and a
+    sorted vocabulary is walked in slabs of about ``slab_bytes`` (default FWD_SLAB_BYTES) whose
+    rows are gathered into a buffer first.
+    """
+    check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
+    N = erow.numel()
+    V, D = c.shape
+    dev = e2d.device
+    cfg = config(e2d.dtype, "fwd")
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    n_blocks = triton.cdiv(N, BN)
+    n_vtiles = triton.cdiv(V, BV)
+    stats = perm is not None
+    if tma is None:
+        tma = use_tma(e2d, c) and (not stats or N >= FWD_TMA_SORTED_MIN_N)
+    TD = tensor_descriptor() if tma else None
+    if tma and TD is None:
+        raise ValueError("tma=True needs triton.tools.tensor_descriptor")
+    if tma and (D * e2d.element_size()) % 16 != 0:
+        raise ValueError(f"tma=True needs rows of a multiple of 16 bytes, got D = {D}")
+    pps = programs_per_sm or (FWD_PROGRAMS_PER_SM_TMA if tma else FWD_PROGRAMS_PER_SM)
+    max_splits = max(1, triton.cdiv(pps * num_sms(dev), max(n_blocks, 1)))
+    head = 1 if stats else 0
+
+    # Slabs of tiles [lo, hi), each one descriptor range of gathered rows (TMA, sorted or unaligned c).
+    if tma and (stats or not tma_rows_ok(c)):
+        slab_tiles = max(1, (slab_bytes or FWD_SLAB_BYTES) // (BV * D * c.element_size()))
+        slabs = [(lo, min(lo + slab_tiles, n_vtiles)) for lo in range(0, n_vtiles, slab_tiles)]
+    else:
+        slabs = [(0, n_vtiles)]
+
+    def split(lo: int, hi: int) -> int:
+        # splits of a launch over tiles [lo, hi) (balanced: their sizes differ by one at most)
+        return min(hi - lo, max_splits)
+
+    parts = head + sum(split(max(lo, head), hi) for lo, hi in slabs if hi > max(lo, head))
+
+    f32 = torch.float32
+    tpos = tgt
+    if stats:
+        if not eps > 0:
+            raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
+        tpos = inverse_permutation(perm).index_select(0, tgt)
+    Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
+    Se = torch.zeros((parts, N), dtype=f32, device=dev)
+    Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else None
+    zt = torch.empty(N, dtype=f32, device=dev)
+    St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev) if stats else None
+    Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev) if stats else None
+    e_arg = e2d
+    c_buf = None
+    if tma and N > 0:
+        e_arg = TD.from_tensor(e2d.index_select(0, erow), [BN, cfg.BLOCK_D])
+        if len(slabs) > 1 or stats or not tma_rows_ok(c):
+            c_buf = torch.empty((min(V, slabs[0][1] * BV), D), dtype=c.dtype, device=dev)
+
+    def slab_operand(lo: int, hi: int):
+        # (C argument, first tile it holds) for the slab of tiles [lo, hi): with TMA a
+        # descriptor of c itself or of the slab's rows gathered into c_buf.
+        if not tma:
+            return c, 0
+        if c_buf is None:
+            return TD.from_tensor(c, [BV, cfg.BLOCK_D]), 0
+        v0, v1 = lo * BV, min(hi * BV, V)
+        buf = c_buf[: v1 - v0]
+        if stats:
+            torch.index_select(c, 0, perm[v0:v1], out=buf)
+        else:
+            buf.copy_(c[v0:v1])
+        return TD.from_tensor(buf, [BV, cfg.BLOCK_D]), lo
+
+    def launch(c_arg, tile0, grid, part0, tile_lo, tile_hi, m0):
+        _fwd_kernel[grid](
+            E=e_arg, C=c_arg, Bias=bias, W=weight if smoothing else None, Erow=erow,
+            TPos=tpos if stats else None, Zt=zt, NValid=n_valid, Perm=perm, M0=m0,
+            Mx=Mx[part0:], Se=Se[part0:], Ss=None if Ss is None else Ss[part0:], St=St, Sq=Sq,
+            N=N, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), stride_part=N,
+            stride_st=n_vtiles, n_vtiles=n_vtiles, tile_lo=tile_lo, tile_hi=tile_hi, n_splits=grid[1],
+            desc_tile0=tile0, softcap=float(softcap), log_eps=math.log(eps) if stats else 0.0,
+            HAS_SOFTCAP=softcap > 0, EVEN_V=V % BV == 0, TMA=tma, BLOCK_N=BN, BLOCK_V=BV,
+            BLOCK_D=cfg.BLOCK_D, PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    m0 = None
+    with device_context(dev):
+        if N > 0:
+            # The target logits first, by a kernel of their own (N x D reads): the tile epilogue
+            # then needs no per-entry target extraction.
+            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt)
+        part = head
+        for lo, hi in slabs if N > 0 else ():
+            c_arg, tile0 = slab_operand(lo, hi)
+            if stats and lo == 0:
+                launch(c_arg, tile0, (n_blocks, 1), 0, 0, 1, None)
+                # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read).
+                m0 = Mx[0] + torch.log(Se[0])
+            lo = max(lo, head)
+            if hi > lo:
+                splits = split(lo, hi)
+                launch(c_arg, tile0, (n_blocks, splits), part, lo, hi, m0)
+                part += splits
+        if stats and m0 is None:  # N == 0
+            m0 = Mx[0] + torch.log(Se[0])
+    # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
+    # m = -inf, S = 0 everywhere and are zeroed through `done`.
+    M = Mx.max(0).values
+    done = torch.isfinite(M)
+    Mz = torch.where(done, M, 0.0)
+    S = (Se * torch.exp(Mx - Mz)).sum(0)
+    lse = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
+    tl_ = torch.where(done, zt, 0.0)
+    ss = torch.where(done, Ss.sum(0), 0.0) if Ss is not None else None
+    if m0 is not None:
+        m0 = torch.where(torch.isfinite(m0), m0, 0.0)
+    return FwdStats(lse, tl_, ss, St, Sq, m0)

@@ -1,0 +1,119 @@
+"""The rows of a linear-cross-entropy problem: flattening and the causal shift, the valid-first
+order the Triton kernels walk, the vocabulary order by mean logit, and O(N D) helpers over rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows of fp32 temporaries ([rows, D]) made at once by the O(N D) helpers below.
+CHUNK_ROWS = 8192
+
+
+def flatten_rows(e: torch.Tensor, targets: torch.Tensor, shift: bool):
+    """Flattens to (rows, D) without copying contiguous inputs.
+
+    Returns (e2d, rows, targets_flat, out_shape): problem row i reads e2d[rows[i]] (rows is None
+    for the identity) and targets_flat[i]. With shift, rows skip each sequence's last position so
+    that e[..., :-1, :] is read by index, not copied.
+    """
+    D = e.shape[-1]
+    e2d = e.reshape(-1, D)
+    if shift:
+        T = targets.shape[-1]
+        tgt = targets[..., 1:]
+        rows = torch.arange(e2d.shape[0], device=e.device).view(-1, T)[:, :-1].reshape(-1)
+    else:
+        tgt = targets
+        rows = None
+    return e2d, rows, tgt.reshape(-1).long(), tgt.shape
+
+
+def kernel_operands(e2d, c, bias, weight):
+    """float64 has no tensor-core dot: run it in float32 (the kernels accumulate in fp32 anyway)."""
+    if e2d.dtype == torch.float64:
+        e2d, c = e2d.float(), c.float()
+    if e2d.stride(-1) != 1:
+        e2d = e2d.contiguous()
+    if c.stride(-1) != 1:
+        c = c.contiguous()
+    return e2d, c, bias, weight
+
+
+class RowOrder:
+    """Valid-first order of the problem rows, on the device (no host sync). ``rows`` (e2d row of
+    each problem row) must increase, as flatten_rows makes them: the sparse
+    backward's final row move relies on sorted row <= e2d row."""
+
+    def __init__(self, targets: torch.Tensor, rows: torch.Tensor | None, ignore_index: int):
+        N = targets.numel()
+        dev = targets.device
+        self.N = N
+        self.valid = targets != ignore_index
+        self.safe_t = torch.where(self.valid, targets, torch.zeros_like(targets))
+        # Stable partition (valid rows keep their relative order): row i goes to its rank among
+        # the valid rows, or past them to its rank among the ignored ones. A cumsum and a scatter
+        # instead of a sort.
+        ar = torch.arange(N, device=dev)
+        cv = torch.cumsum(self.valid, 0)
+        self.n_valid = self.valid.sum(dtype=torch.int32).reshape(1)
+        pos = torch.where(self.valid, cv - 1, self.n_valid + ar - cv)
+        self.perm = torch.empty_like(ar).scatter_(0, pos, ar)
+        self.erow = rows if rows is not None else ar  # e2d row, problem order
+        self.erow_s = self.perm if rows is None else rows.index_select(0, self.perm).contiguous()
+
+    def unsort(self, x_sorted: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x_sorted).index_copy_(0, self.perm, x_sorted)
+
+
+def row_chunks(n: int):
+    for s in range(0, n, CHUNK_ROWS):
+        yield s, min(s + CHUNK_ROWS, n)
+
+
+def vocab_scores(e2d, c, bias, r: RowOrder) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids by decreasing mean logit ebar . c_v + b_v, those scores in that order); ebar is the
+    mean of the valid rows.
+
+    Frequent classes have large mean logits in every row, so the tiles that must be kept cluster
+    at the front and the rest can be skipped as whole tiles.
+    """
+    esum = torch.zeros(e2d.shape[1], dtype=torch.float32, device=e2d.device)
+    valid_s = torch.arange(r.N, device=e2d.device) < r.n_valid
+    for s, t in row_chunks(r.N):
+        rows = e2d.index_select(0, r.erow_s[s:t]).float()
+        esum += (rows * valid_s[s:t, None]).sum(0)
+    ebar = esum / r.n_valid.clamp(min=1).float()
+    score = torch.mv(c, ebar.to(c.dtype)).float()
+    if bias is not None:
+        score = score + bias.float()
+    score, perm = torch.sort(score, descending=True)
+    return perm, score
+
+
+def vocab_order(e2d, c, bias, r: RowOrder) -> torch.Tensor:
+    """Vocabulary ids by decreasing mean logit (see vocab_scores)."""
+    return vocab_scores(e2d, c, bias, r)[0]
+
+
+def weighted_rows(w: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_i w_i x[index[i]] (x's rows in order without index), fp32 [D], in row chunks."""
+    out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
+    for s, t in row_chunks(w.numel()):
+        rows = x[s:t] if index is None else x.index_select(0, index[s:t])
+        out += w[s:t].float() @ rows.float()
+    return out
+
+
+def block_means_e(e2d: torch.Tensor, r: RowOrder, BN: int) -> torch.Tensor:
+    """[n_blocks, D] mean of the valid rows of each sorted token block (0 for empty blocks)."""
+    nb = -(-r.N // BN)
+    dev = e2d.device
+    pos = torch.arange(r.N, device=dev)
+    valid_s = (pos < r.n_valid).float()
+    sums = torch.zeros(nb, e2d.shape[1], dtype=torch.float32, device=dev)
+    for s, t in row_chunks(r.N):
+        rows = e2d.index_select(0, r.erow_s[s:t]).float() * valid_s[s:t, None]
+        sums.index_add_(0, pos[s:t] // BN, rows)
+    counts = torch.zeros(nb, dtype=torch.float32, device=dev).index_add_(0, pos // BN, valid_s)
+    return sums / counts.clamp(min=1.0)[:, None]

@@ -1,0 +1,197 @@
+"""impl="torch": the custom ops and autograd over the chunked PyTorch algorithm (chunked.py).
+
+With reduction "mean" or "sum" and no lse output the forward also computes the gradients for a
+unit upstream gradient (``precompute``) and the backward only scales them. The ops are
+``torch.library`` custom ops (arguments declared once, cce/_custom_ops.py), so that
+``torch.compile`` treats them as opaque nodes (no graph break, nothing data-dependent traced).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ... import _math
+from ..._custom_ops import define_op, register_autograd, register_fake
+from .chunked import ChunkedProblem
+
+
+class FwdArgs(NamedTuple):
+    e2d: torch.Tensor  # [M, D] hidden states (problem row i reads e2d[rows[i]])
+    c: torch.Tensor  # [V, D]
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None  # class weights [V]
+    rows: torch.Tensor | None  # [N] e2d row of each problem row (None: the identity)
+    targets: torch.Tensor  # [N] int64
+    ignore_index: int
+    reduction: str
+    softcap: float  # 0: none
+    label_smoothing: float
+    z_loss: float
+    filter_eps: float  # 0: exact
+    precompute: bool  # gradients for a unit upstream gradient, in the forward
+    need_de: bool
+    need_dc: bool
+    need_dbias: bool
+    chunk_bytes: int | None
+
+
+def _problem(a, filter_eps: float) -> ChunkedProblem:
+    return ChunkedProblem(
+        a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, a.ignore_index, a.softcap, a.label_smoothing,
+        a.z_loss, filter_eps, a.chunk_bytes,
+    )  # fmt: skip
+
+
+def _empty(ref: torch.Tensor) -> torch.Tensor:
+    return ref.new_empty(0)
+
+
+@define_op(
+    "cce::linear_ce_torch_fwd",
+    FwdArgs,
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+)
+def linear_ce_torch_fwd(a: FwdArgs):
+    """(loss, lse, dE, dC, dbias); the gradients are for a unit upstream gradient and only
+    computed (else empty) when ``precompute``."""
+    pb = _problem(a, a.filter_eps)
+    g = None
+    if a.precompute:
+        ones = torch.ones((), dtype=torch.float32, device=a.e2d.device)
+        g = _math.row_upstream(ones, pb.w_t, a.reduction, pb.N)
+    coef = None if g is None else pb.loss_coefficients(g, None)
+    lse, tgt, ssum, dE, dC, dbias = pb.run(coef, None, a.need_de, a.need_dc, a.need_dbias)
+    loss_tok = _math.token_loss(
+        lse.float(), tgt.float(), None if ssum is None else ssum.float(), pb.w_t, pb.W, pb.valid, pb.k
+    )
+    loss = _math.reduce_loss(loss_tok, pb.w_t, a.reduction)
+    lse_out = torch.where(pb.valid, lse.float(), 0.0)
+    return (
+        loss,
+        lse_out,
+        _empty(a.e2d) if dE is None else dE,
+        _empty(a.c) if dC is None else dC,
+        _empty(a.c) if dbias is None else dbias,
+    )
+
+
+def _fwd_fake(a: FwdArgs):
+    N = a.targets.shape[0]
+    acc = _math.acc_dtype(a.e2d.dtype)
+    pre = a.precompute
+    loss = a.e2d.new_empty((N,) if a.reduction == "none" else (), dtype=torch.float32)
+    lse = a.e2d.new_empty((N,), dtype=torch.float32)
+    dE = a.e2d.new_empty(a.e2d.shape if (pre and a.need_de) else (0,), dtype=acc)
+    dC = a.c.new_empty(a.c.shape if (pre and a.need_dc) else (0,), dtype=acc)
+    db = a.c.new_empty((a.c.shape[0],) if (pre and a.need_dbias) else (0,), dtype=acc)
+    return loss, lse, dE, dC, db
+
+
+register_fake(linear_ce_torch_fwd, _fwd_fake)
+
+
+class BwdArgs(NamedTuple):
+    e2d: torch.Tensor
+    c: torch.Tensor
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None
+    rows: torch.Tensor | None
+    targets: torch.Tensor
+    lse: torch.Tensor  # [N] fp32 saved by the forward
+    g: torch.Tensor  # [N] fp32 upstream gradient of each row's loss
+    h: torch.Tensor | None  # [N] upstream gradient of the lse output
+    ignore_index: int
+    softcap: float
+    label_smoothing: float
+    z_loss: float
+    filter_eps: float
+    need_de: bool
+    need_dc: bool
+    need_dbias: bool
+    chunk_bytes: int | None
+
+
+@define_op("cce::linear_ce_torch_bwd", BwdArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor])
+def linear_ce_torch_bwd(a: BwdArgs):
+    """(dE, dC, dbias) in the accumulation dtype for per-row upstream g (loss) and h (lse)."""
+    pb = _problem(a, a.filter_eps)
+    _, _, _, dE, dC, dbias = pb.run(
+        pb.loss_coefficients(a.g, a.h), a.lse.to(pb.acc), a.need_de, a.need_dc, a.need_dbias
+    )
+    return (
+        _empty(a.e2d) if dE is None else dE,
+        _empty(a.c) if dC is None else dC,
+        _empty(a.c) if dbias is None else dbias,
+    )
+
+
+def _bwd_fake(a: BwdArgs):
+    acc = _math.acc_dtype(a.e2d.dtype)
+    dE = a.e2d.new_empty(a.e2d.shape if a.need_de else (0,), dtype=acc)
+    dC = a.c.new_empty(a.c.shape if a.need_dc else (0,), dtype=acc)
+    db = a.c.new_empty((a.c.shape[0],) if a.need_dbias else (0,), dtype=acc)
+    return dE, dC, db
+
+
+register_fake(linear_ce_torch_bwd, _bwd_fake)
+
+
+def _setup_context(ctx, a: FwdArgs, output) -> None:
+    loss, lse, dE, dC, db = output
+    ctx.mark_non_differentiable(dE, dC, db)
+    # No zero-filled incoming gradients for the unused outputs: dC's would be a fresh V x D
+    # tensor filled each backward. _backward handles None for every incoming gradient.
+    ctx.set_materialize_grads(False)
+    ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
+    ctx.dtypes = (a.e2d.dtype, a.c.dtype, None if a.bias is None else a.bias.dtype)
+    # Precomputed gradients are kept on ctx, not saved tensors: backward scales them in place,
+    # which would trip autograd's version check on saved tensors.
+    ctx.pre = ((dE, dC, db), (a.need_de, a.need_dc, a.need_dbias)) if a.precompute else None
+    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse)
+
+
+def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
+    a: FwdArgs = ctx.args
+    e_dtype, c_dtype, b_dtype = ctx.dtypes
+    need_de, need_dc, need_db = ctx.needs_input_grad[:3]
+    needs = (need_de, need_dc, need_db)
+    rest = (None,) * (len(FwdArgs._fields) - 3)
+    if ctx.pre is not None and all(done or not need for done, need in zip(ctx.pre[1], needs, strict=True)):
+        # The gradients were computed in forward for a unit upstream gradient: scale them in
+        # place (no second copy). A second backward through a retained graph recomputes below.
+        (dE, dC, db), _ = ctx.pre
+        ctx.pre = None
+        if g_loss is None:
+            return (None, None, None, *rest)
+        s = g_loss.float()
+
+        # (No shortcut for s == 1: this backward is traced under torch.compile, where a Python
+        # branch on a tensor's value is a data-dependent guard.)
+        def scale(t, dtype, need):
+            return t.mul_(s).to(dtype) if need else None
+
+        return (scale(dE, e_dtype, need_de), scale(dC, c_dtype, need_dc), scale(db, b_dtype, need_db), *rest)
+    e2d, c, bias, weight, rows, targets, lse = ctx.saved_tensors
+    valid = targets != a.ignore_index
+    w_t = _math.target_weight(weight, targets, valid)
+    N = targets.numel()
+    if g_loss is None:
+        g = torch.zeros(N, dtype=torch.float32, device=targets.device)
+    else:
+        g = _math.row_upstream(g_loss, w_t, a.reduction, N)
+    need_db = need_db and bias is not None
+    dE, dC, db = linear_ce_torch_bwd(
+        e2d, c, bias, weight, rows, targets, lse, g.contiguous(), g_lse, a.ignore_index, a.softcap,
+        a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc, need_db, a.chunk_bytes,
+    )  # fmt: skip
+    return (
+        dE.to(e_dtype) if need_de else None,
+        dC.to(c_dtype) if need_dc else None,
+        db.to(b_dtype) if need_db else None,
+        *rest,
+    )
+
+
+register_autograd(linear_ce_torch_fwd, _backward, _setup_context)

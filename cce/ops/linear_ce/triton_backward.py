@@ -1,0 +1,238 @@
+"""The host side of the Triton backward algorithms: row and vocabulary orders, the skipped
+tiles' rank-1 corrections of the recomputing backward, and the plan of the sparse one.
+
+``coefficient_backward`` (exact or recomputing, for given per-row coefficients) also serves the
+vocabulary-parallel path (cce/distributed/); ``sparse_backward`` reads the forward's encoded tile
+statistics. docs/design.md has the error bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _math
+from .kernels import backward_sparse as KS
+from .kernels.backward_exact import linear_ce_backward_exact
+from .kernels.backward_recompute import linear_ce_backward_recompute
+from .kernels.common import inverse_permutation, stats_blocks
+from .kernels.stash import stash_code
+from .kernels.tile_stats import decode_tile_mass, tile_means
+from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
+
+
+def coefficient_backward(
+    e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
+    need_de, need_dc, need_dbias, dz_slab_bytes: int,
+):  # fmt: skip
+    """(dE, dC, dbias) (None where not needed) for per-row coefficients:
+    dZ = (alpha p - beta [v == t] - gamma w) softcap' (gamma None: no smoothing term).
+
+    filter_eps 0: the exact backward (dZ slabs and cuBLAS); dC in c's dtype, dE and dbias fp32.
+    Otherwise the recomputing backward with the vocabulary sorted by mean logit and the skipped
+    tiles' rank-1 corrections: every gradient fp32. With softcap the smoothing term is no longer
+    rank-1: it is then part of every tile's dZ and the filter (whose bound assumes dZ ~ alpha p)
+    is off, as in impl="torch".
+    """
+    V, D = c.shape
+    dev = e2d.device
+    r = RowOrder(targets, rows, ignore_index)
+    alpha, beta = alpha.float(), beta.float()
+    smoothing = gamma is not None
+    if smoothing:
+        gamma = gamma.float()
+    eps = 0.0 if (smoothing and softcap > 0) else float(filter_eps)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    args = (e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta))
+    if eps == 0:
+        # Every term, smoothing included, is in dZ.
+        ex = linear_ce_backward_exact(
+            *args, srt(gamma) if smoothing else None, softcap, need_de, need_dc, need_dbias, dz_slab_bytes
+        )  # fmt: skip
+        dE = None
+        if ex.dE is not None:
+            # Without `rows` the sorted rows are a permutation of e2d's: every row is written.
+            make = torch.empty if rows is None else torch.zeros
+            dE = make(e2d.shape, dtype=torch.float32, device=dev).index_copy_(0, r.erow_s, ex.dE)
+        return dE, ex.dC, ex.dbias
+    perm = vocab_order(e2d, c, bias, r)
+    out = linear_ce_backward_recompute(*args, None, perm, softcap, eps, need_de, need_dc, need_dbias)
+    dE, dC, db = out.dE, out.dC, out.dbias
+    # Skipped tiles: rank-1 corrections rowsum(dZ_tile) x mean(C_tile), colsum(dZ_tile) x mean(E_block).
+    if out.R is not None:
+        Cm = tile_means(c, perm, out.BLOCK_V, torch.float32)
+        for s, t in row_chunks(r.N):
+            dE.index_add_(0, r.erow_s[s:t], out.R[s:t] @ Cm)
+    if out.CSK is not None:
+        dC.addmm_(out.CSK.T, block_means_e(e2d, r, out.BLOCK_N))
+    if smoothing:  # without softcap: -gamma_i w_v is rank-1, added exactly outside the tiles
+        w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
+        if db is not None:
+            db.sub_(w * gamma.sum())
+        if dE is not None:
+            dE.index_add_(0, r.erow, -gamma[:, None] * weighted_rows(w, c)[None, :])
+        if dC is not None:
+            dC.addr_(w, weighted_rows(gamma, e2d, r.erow), alpha=-1.0)
+    return dE, dC, db
+
+
+def loss_backward(
+    e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
+    filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes: int,
+):  # fmt: skip
+    """coefficient_backward for upstream gradients g (per-row loss) and h (lse) of this loss."""
+    V = c.shape[0]
+    k = _math.LossConsts(label_smoothing, z_loss, V)
+    valid = targets != ignore_index
+    w_t = _math.target_weight(weight, targets, valid)
+    W = _math.weight_total(weight, V, e2d.device)
+    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
+    return coefficient_backward(
+        e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if k.smoothing else None,
+        ignore_index, softcap, filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes,
+    )  # fmt: skip
+
+
+# Rows per chunk of the sparse backward's O(rows x tiles) temporaries.
+_SPARSE_ROWS = 1024
+
+
+def compact_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The set columns of each row of ``keep`` (bool [A, B]) compacted to the front of an int32
+    [A, B + 1] list (column B is a dump slot for the others), and their counts; no host sync."""
+    A, B = keep.shape
+    idx = torch.where(keep, keep.cumsum(1) - 1, B)
+    cols = torch.arange(B, dtype=torch.int32, device=keep.device).expand(A, B)
+    lst = torch.zeros((A, B + 1), dtype=torch.int32, device=keep.device).scatter_(1, idx, cols)
+    return lst, keep.sum(1, dtype=torch.int32)
+
+
+def sparse_backward(
+    e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
+    filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *, de_block_slots: int = 2,
+    dc_scratch_tiles: int | None = None, move_bytes: int = 8 << 20, return_plan: bool = False,
+):  # fmt: skip
+    """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
+
+    dE is written into ``stash`` (the forward's buffer, whose tail may hold the codes: then
+    ``code`` is empty) and returned; without one a new buffer is used.
+
+    A tile (token block x vocabulary tile, vocabulary in vperm order) is recomputed only when
+    ``keep`` says so (the forward found a non-target probability of one of its rows that may
+    reach filter_eps). The others contribute alpha_i S_ij mean(C_j) to dE (S_ij: the tile's
+    non-target mass, decoded from ``code``) and q_v G_j to dC; every target entry
+    alpha p_t - beta is added exactly. Smoothing (never with softcap here) is the exact rank-1
+    term.
+    """
+    V, D = c.shape
+    dev = e2d.device
+    f32 = torch.float32
+    k = _math.LossConsts(label_smoothing, z_loss, V)
+    valid = targets != ignore_index
+    w_t = _math.target_weight(weight, targets, valid)
+    W = _math.weight_total(weight, V, dev)
+    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
+    r = RowOrder(targets, rows, ignore_index)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    alpha_s, beta_s, lse_s, t_s = srt(alpha.float()), srt(beta.float()), srt(lse), srt(r.safe_t)
+    N = r.N
+    BN, BV = stats_blocks(e2d.dtype)
+    nt = -(-V // BV)
+    pos = torch.arange(N, device=dev)
+    valid_s = pos < r.n_valid
+    src = None
+    if need_de:
+        if stash is None or stash.numel() == 0:
+            stash = torch.empty(e2d.shape, dtype=e2d.dtype, device=dev)
+        # dE's rows move from the sorted order to e2d's at the end: the sorted row of each e2d
+        # row, -1 for ignored rows and rows outside ``rows`` (gradient 0).
+        src = torch.full((e2d.shape[0],), -1, dtype=torch.long, device=dev)
+        src.index_copy_(0, r.erow_s, torch.where(valid_s, pos, -1))
+    else:
+        stash = None
+    code_in_stash = tuple(code.shape) != (N, nt)
+    if code_in_stash:
+        code = stash_code(stash, N, nt)
+    # The target entries, exact: (alpha p_t - beta) softcap'(z_t); 0 at ignored rows.
+    coef = alpha_s * torch.exp(zt_s - lse_s) - beta_s
+    if softcap > 0:
+        coef = coef * (1.0 - (zt_s / softcap) ** 2)
+    coef = torch.where(valid_s, coef, 0.0)
+    keep = keep.bool()
+    smooth = k.smoothing
+    gamma_s = srt(gamma.float()) if smooth else None
+    w = None
+    if smooth:
+        w = weight.float() if weight is not None else torch.ones(V, dtype=f32, device=dev)
+    list_e = cnt_e = wc = None
+    dc_in = (None,) * 9
+    if need_de:
+        list_e, cnt_e = compact_lists(keep)
+        if smooth:
+            wc = weighted_rows(w, c)
+    if need_dc:
+        dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV)
+    # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
+    # writer (in the stash, when there is one; fewer if it has no room for them).
+    cap = KS.kept_scratch_tiles(N, e2d.dtype, dc_scratch_tiles) if need_dc else 0
+    kflat = keep.reshape(-1)
+    gidx = (kflat.cumsum(0) - 1).to(torch.int32)
+    slot = torch.where(kflat & (gidx < cap), gidx.long(), cap)
+    klist = torch.zeros(cap + 1, dtype=torch.int32, device=dev).scatter_(
+        0, slot, torch.arange(kflat.numel(), dtype=torch.int32, device=dev)
+    )
+    del slot
+    n_kept = kflat.sum(dtype=torch.int32).reshape(1)
+    list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
+    del dc_in
+    plan = KS.SparsePlan(
+        keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
+        ge, gidx.view(keep.shape), klist, n_kept,
+    )  # fmt: skip
+    del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
+    dE, dC = KS.linear_ce_backward_sparse(
+        e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
+        need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
+        move_bytes=move_bytes,
+    )  # fmt: skip
+    if return_plan:
+        return dE, dC, plan
+    return dE, dC
+
+
+def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int):
+    """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
+    kernels.backward_sparse.SparsePlan.
+
+    Built in this function so that nothing but the plan holds them (the launcher releases them
+    once dC is written, before dE and the tile means are allocated)."""
+    N, nt = code.shape
+    V, D = vperm.numel(), e2d.shape[1]
+    dev, f32 = e2d.device, torch.float32
+    pos = torch.arange(N, device=dev)
+    valid_s = pos < r.n_valid
+    list_c, cnt_c = compact_lists(keep.T.contiguous())
+    # G_j = sum_i alpha_i S_ij e_i over the rows whose tile j is skipped.
+    G = torch.zeros(nt, D, dtype=f32, device=dev)
+    use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
+    for s in range(0, N, _SPARSE_ROWS):
+        t = min(s + _SPARSE_ROWS, N)
+        # 0 for kept tiles and ignored rows (code 255)
+        S = decode_tile_mass(code[s:t]) * alpha_s[s:t, None]
+        E_c = e2d.index_select(0, r.erow_s[s:t])
+        if use_bf16:
+            G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
+        else:
+            G += S.T @ E_c.float()
+    # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
+    sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
+    sc[:V] = vscore
+    q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V].contiguous()
+    tp = inverse_permutation(vperm.long()).index_select(0, t_s)
+    tile_t = torch.where(valid_s, tp // BV, nt)
+    tile_o, order = torch.sort(tile_t, stable=True)
+    trow = r.erow_s.index_select(0, order).contiguous()
+    tpos = tp.index_select(0, order).to(torch.int32)
+    tcoef = coef.index_select(0, order).contiguous()
+    seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
+    ge = None if gamma is None else weighted_rows(gamma, e2d, r.erow)
+    return list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge

@@ -1,0 +1,347 @@
+"""impl="triton": the custom ops and autograd over the kernels of cce/ops/linear_ce/kernels/.
+
+Forward: the kernel reduces each valid token's logits to (lse, target logit[, weighted logit
+sum]); the loss is assembled from those by cce/_math.py. Saved for backward: the inputs and lse
+(O(N)); for a training step of the sparse backward also the encoded tile statistics (one byte per
+row and 256 classes), which live in the tail of dE's buffer (the "stash") when e needs a
+gradient. Backward: _math turns the upstream gradient into per-row coefficients, and the
+algorithm cce._dispatch.linear_backward chose at the forward runs (triton_backward.py).
+
+Nothing here synchronises with the host: the valid-first row order and its count stay on the
+device, so a training step can be captured in a CUDA graph. The entry points are
+``torch.library`` custom ops (arguments declared once, cce/_custom_ops.py), opaque to
+torch.compile.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ... import _math
+from ..._custom_ops import define_op, register_autograd, register_fake
+from ..._dispatch import linear_backward
+from ...options import Tuning
+from .kernels.common import stats_blocks
+from .kernels.forward import linear_ce_forward
+from .kernels.stash import code_fits_stash, stash_code
+from .kernels.tile_stats import encode_tile_stats
+from .rows import RowOrder, kernel_operands, vocab_scores
+from .triton_backward import loss_backward, sparse_backward
+
+
+class FwdArgs(NamedTuple):
+    e2d: torch.Tensor  # [M, D] hidden states (problem row i reads e2d[rows[i]])
+    c: torch.Tensor  # [V, D]
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None  # class weights [V]
+    rows: torch.Tensor | None  # [N] e2d row of each problem row (None: the identity)
+    targets: torch.Tensor  # [N] int64
+    ignore_index: int
+    reduction: str
+    softcap: float  # 0: none
+    label_smoothing: float
+    z_loss: float
+    filter_eps: float  # 0: exact
+    stats: bool  # the sparse backward's tile statistics
+    stash: bool  # ... and the dE buffer they live in (e needs a gradient)
+    stats_chain_tiles: int
+    dz_slab_bytes: int
+    de_block_slots: int
+    dc_scratch_tiles: int | None
+    stash_move_bytes: int
+
+
+_FWD_OUT = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor,
+]  # fmt: skip
+
+
+def _stats_tiles(V: int, dtype: torch.dtype) -> int:
+    return -(-V // stats_blocks(dtype)[1])
+
+
+@define_op("cce::linear_ce_triton_fwd", FwdArgs, _FWD_OUT)
+def linear_ce_triton_fwd(a: FwdArgs):
+    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash); lse is fp32 (N,), 0 at ignored rows.
+
+    With ``stats`` the next outputs are the encoded tile statistics (tile_stats.encode_tile_stats:
+    uint8 masses per sorted row and tile, int8 keep flags per token block and tile), the sorted
+    rows' target logits, and the vocabulary order (int32) with its scores; otherwise they are
+    empty. The raw statistics (3 bytes per row and tile) are freed here, before the backward
+    allocates the gradients. With ``stash`` the last output is the uninitialised buffer the
+    backward writes dE into (e2d's shape, the kernels' dtype), and the codes live in its tail
+    when they fit (stash.code_fits_stash; ``code`` is then empty).
+    """
+    e2d, c, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
+    V = c.shape[0]
+    k = _math.LossConsts(a.label_smoothing, a.z_loss, V)
+    r = RowOrder(a.targets, a.rows, a.ignore_index)
+    perm = score = None
+    if a.stats:
+        perm, score = vocab_scores(e2d, c, bias, r)
+    t_s = r.safe_t.index_select(0, r.perm)
+    st = linear_ce_forward(
+        e2d, c, bias, weight, r.erow_s, t_s, r.n_valid, a.softcap, k.smoothing, perm=perm, eps=a.filter_eps
+    )  # fmt: skip
+    lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
+    ssum = None if st.ssum is None else r.unsort(st.ssum)
+    if a.stats:
+        BN = stats_blocks(e2d.dtype)[0]
+        N, nt = r.N, _stats_tiles(V, e2d.dtype)
+        buf = e2d.new_empty(e2d.shape if a.stash else (0,))
+        in_stash = a.stash and code_fits_stash(N, nt, e2d.shape[0], e2d.shape[1], e2d.dtype)
+        code, keep = encode_tile_stats(
+            st.st, st.sq, st.m0, st.lse, r.n_valid, BN, a.stats_chain_tiles,
+            code=stash_code(buf, N, nt) if in_stash else None,
+        )  # fmt: skip
+        if in_stash:
+            code = code.new_empty(0)
+        zt_s = st.tgt
+    del st
+    w_t = _math.target_weight(weight, a.targets, r.valid)
+    W = _math.weight_total(weight, V, e2d.device)
+    loss_tok = _math.token_loss(lse, tgt, ssum, w_t, W, r.valid, k)
+    loss = _math.reduce_loss(loss_tok, w_t, a.reduction)
+    lse = torch.where(r.valid, lse, 0.0)
+    if not a.stats:
+        none = e2d.new_empty(0, dtype=torch.float32)
+        return (
+            loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
+            e2d.new_empty(0),
+        )  # fmt: skip
+    return loss, lse, code, keep, zt_s, perm.int(), score, buf
+
+
+def _fwd_fake(a: FwdArgs):
+    e2d, c = a.e2d, a.c
+    N, V = a.targets.shape[0], c.shape[0]
+    f32 = torch.float32
+    kdt = torch.float32 if e2d.dtype == torch.float64 else e2d.dtype
+    loss = e2d.new_empty((N,) if a.reduction == "none" else (), dtype=f32)
+    lse = e2d.new_empty((N,), dtype=f32)
+    if not a.stats:
+        none = e2d.new_empty(0, dtype=f32)
+        return (
+            loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
+            e2d.new_empty(0, dtype=kdt),
+        )  # fmt: skip
+    BN = stats_blocks(kdt)[0]
+    nt = _stats_tiles(V, kdt)
+    in_stash = a.stash and code_fits_stash(N, nt, e2d.shape[0], e2d.shape[1], kdt)
+    return (
+        loss, lse, e2d.new_empty((0,) if in_stash else (N, nt), dtype=torch.uint8),
+        e2d.new_empty((-(-N // BN), nt), dtype=torch.int8), e2d.new_empty((N,), dtype=f32),
+        e2d.new_empty((V,), dtype=torch.int32), e2d.new_empty((V,), dtype=f32),
+        e2d.new_empty(e2d.shape if a.stash else (0,), dtype=kdt),
+    )  # fmt: skip
+
+
+register_fake(linear_ce_triton_fwd, _fwd_fake)
+
+
+class BwdArgs(NamedTuple):
+    e2d: torch.Tensor
+    c: torch.Tensor
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None
+    rows: torch.Tensor | None
+    targets: torch.Tensor
+    lse: torch.Tensor  # [N] fp32 saved by the forward
+    g: torch.Tensor  # [N] fp32 upstream gradient of each row's loss
+    h: torch.Tensor | None  # [N] upstream gradient of the lse output
+    ignore_index: int
+    softcap: float
+    label_smoothing: float
+    z_loss: float
+    filter_eps: float
+    need_de: bool
+    need_dc: bool
+    need_dbias: bool
+    dz_slab_bytes: int
+
+
+@define_op("cce::linear_ce_triton_bwd", BwdArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor])
+def linear_ce_triton_bwd(a: BwdArgs):
+    """(dE, dC, dbias) in the dtypes of e2d, c, bias (empty where not needed): the exact or the
+    recomputing backward (triton_backward.loss_backward)."""
+    e2d_k, c_k, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
+    dE, dC, db = loss_backward(
+        e2d_k, c_k, bias, weight, a.rows, a.targets, a.lse, a.g, a.h, a.ignore_index, a.softcap,
+        a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.need_dbias, a.dz_slab_bytes,
+    )  # fmt: skip
+    return (
+        dE.to(a.e2d.dtype) if dE is not None else a.e2d.new_empty(0),
+        dC.to(a.c.dtype) if dC is not None else a.c.new_empty(0),
+        db.to(bias.dtype) if db is not None else a.c.new_empty(0),
+    )
+
+
+def _bwd_fake(a: BwdArgs):
+    e2d, c, bias = a.e2d, a.c, a.bias
+    dE = e2d.new_empty(e2d.shape if a.need_de else (0,))
+    dC = c.new_empty(c.shape if a.need_dc else (0,))
+    db = c.new_empty(
+        (c.shape[0],) if a.need_dbias else (0,), dtype=bias.dtype if bias is not None else c.dtype
+    )
+    return dE, dC, db
+
+
+register_fake(linear_ce_triton_bwd, _bwd_fake)
+
+
+class SparseBwdArgs(NamedTuple):
+    e2d: torch.Tensor
+    c: torch.Tensor
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None
+    rows: torch.Tensor | None
+    targets: torch.Tensor
+    lse: torch.Tensor
+    g: torch.Tensor
+    h: torch.Tensor | None
+    code: torch.Tensor  # the forward's outputs (see linear_ce_triton_fwd)
+    keep: torch.Tensor
+    zt: torch.Tensor
+    vperm: torch.Tensor
+    vscore: torch.Tensor
+    stash: torch.Tensor
+    ignore_index: int
+    softcap: float
+    label_smoothing: float
+    z_loss: float
+    filter_eps: float
+    need_de: bool
+    need_dc: bool
+    de_block_slots: int
+    dc_scratch_tiles: int | None
+    stash_move_bytes: int
+
+
+@define_op(
+    "cce::linear_ce_triton_bwd_sparse",
+    SparseBwdArgs,
+    tuple[torch.Tensor, torch.Tensor],
+    mutates_args=("stash",),
+)
+def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
+    """(dE, dC) in the dtypes of e2d, c (empty where not needed), by the sparse backward. With a
+    non-empty ``stash`` (the forward's) dE is written there (in the kernels' dtype) and the
+    returned dE is empty."""
+    e2d_k, c_k, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
+    own = a.stash.numel() == 0
+    dE, dC = sparse_backward(
+        e2d_k, c_k, bias, weight, a.rows, a.targets, a.lse, a.g, a.h, a.ignore_index, a.softcap,
+        a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.code, a.keep, a.zt, a.vperm,
+        a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
+        dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes,
+    )  # fmt: skip
+    return (
+        dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
+        dC.to(a.c.dtype) if dC is not None else a.c.new_empty(0),
+    )
+
+
+def _sparse_fake(a: SparseBwdArgs):
+    own = a.stash.numel() == 0
+    e2d, c = a.e2d, a.c
+    return e2d.new_empty(e2d.shape if a.need_de and own else (0,)), c.new_empty(
+        c.shape if a.need_dc else (0,)
+    )
+
+
+register_fake(linear_ce_triton_bwd_sparse, _sparse_fake)
+
+
+def _setup_context(ctx, a: FwdArgs, output) -> None:
+    _loss, lse, code, keep, zt, vperm, vscore, stash = output
+    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash)
+    # Unused incoming gradients stay None: materialised, the statistics' would be zero-filled
+    # [N, V / 256] tensors alive through the backward.
+    ctx.set_materialize_grads(False)
+    ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
+    ctx.save_for_backward(
+        a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, code, keep, zt, vperm, vscore, stash
+    )
+
+
+def _backward(ctx, g_loss, g_lse, *_aux):
+    a: FwdArgs = ctx.args
+    e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash = ctx.saved_tensors
+    need_de, need_dc, need_db = ctx.needs_input_grad[:3]
+    need_db = need_db and bias is not None
+    nothing = (None,) * (len(FwdArgs._fields) - 3)
+    if not (need_de or need_dc or need_db):
+        return (None, None, None, *nothing)
+    valid = targets != a.ignore_index
+    w_t = _math.target_weight(weight, targets, valid)
+    N = targets.numel()
+    if g_loss is None:
+        g = torch.zeros(N, dtype=torch.float32, device=targets.device)
+    else:
+        g = _math.row_upstream(g_loss, w_t, a.reduction, N).contiguous()
+    if a.stats and not need_db:
+        dE, dC = linear_ce_triton_bwd_sparse(
+            e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
+            a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
+            a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes,
+        )  # fmt: skip
+        if need_de and stash.numel() > 0:
+            # dE was written into the forward's stash (a second backward through this graph
+            # fails on the saved stash's version instead of reading a gradient as statistics).
+            dE = stash.to(e2d.dtype)
+        db = None
+    else:
+        dE, dC, db = linear_ce_triton_bwd(
+            e2d, c, bias, weight, rows, targets, lse, g, g_lse, a.ignore_index, a.softcap,
+            a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc, need_db, a.dz_slab_bytes,
+        )  # fmt: skip
+    return (dE if need_de else None, dC if need_dc else None, db if need_db else None, *nothing)
+
+
+register_autograd(linear_ce_triton_fwd, _backward, _setup_context)
+
+
+def linear_ce_triton(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    softcap: float,
+    label_smoothing: float,
+    z_loss: float,
+    filter_eps: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+    tuning: Tuning,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, lse). need_de / need_dc / need_dbias (what autograd will ask for) choose the
+    backward (cce._dispatch.linear_backward): for the sparse one the forward also gathers the
+    tile statistics."""
+    algo = linear_backward(tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing)
+    stats = algo == "sparse"
+    out = linear_ce_triton_fwd(
+        e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
+        filter_eps, stats, stats and need_de, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
+        tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
+    )  # fmt: skip
+    return out[0], out[1]
+
+
+def forward_stats(e2d, c, bias, weight, rows, targets, ignore_index: int, softcap: float, smoothing: bool):
+    """(lse, tgt, ssum or None) per problem row, fp32, 0 at ignored rows: the statistics alone,
+    for callers that assemble the loss themselves (cce/ops/linear_ce/local.py)."""
+    e2d, c, bias, weight = kernel_operands(e2d, c, bias, weight)
+    r = RowOrder(targets, rows, ignore_index)
+    st = linear_ce_forward(
+        e2d, c, bias, weight, r.erow_s, r.safe_t.index_select(0, r.perm), r.n_valid, softcap, smoothing
+    )  # fmt: skip
+    ssum = r.unsort(st.ssum) if smoothing else None
+    return r.unsort(st.lse), r.unsort(st.tgt), ssum
