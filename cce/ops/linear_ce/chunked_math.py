@@ -30,7 +30,7 @@ LINEAR = onednn_linear()
 # Vocabulary slice of the oneDNN logits and dC GEMMs. The op has no out= form: each slice's result
 # (1.6 MB of logits at n = 400, 2 MB of dC rows) is copied or added into place while in cache,
 # where one chunk-sized result would page-fault 48 MB per chunk. Smaller slices hold fewer
-# transient bytes at the peak (measured: 1024 vs 2048 ~5 MB less peak RSS, same time).
+# transient bytes at the peak at the same speed.
 ONEDNN_SLICE = 1024
 
 

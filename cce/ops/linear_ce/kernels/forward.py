@@ -74,8 +74,8 @@ def _fwd_tile(
             ssum += tl.sum(tl.where(col_mask[None, :], L, 0.0), axis=1)
     if not EVEN_V:
         # Columns past V by an additive mask on every tile. Not `if lo + BLOCK_V > V:` around
-        # a masking tl.where: that branch on the tile index measured +10-15% of the whole
-        # kernel's time on H100 (triton 3.6, the same with it never taken); the extra add 0-5%.
+        # a masking tl.where: on triton 3.6 that branch on the tile index slows the whole kernel
+        # even where it is never taken (docs/design.md); the extra add is cheap.
         L = L + tl.where(col_mask, 0.0, float("-inf"))[None, :]
     if STATS:
         # The non-target max and mass are the tile statistics (tpos: the target's position in

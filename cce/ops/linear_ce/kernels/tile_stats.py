@@ -35,7 +35,8 @@ def _encode_stats_kernel(
     tile (error diffusion along the sorted vocabulary): each decoded mass is within 3.2% of x, and
     the decoded masses of a chain sum to the true ones up to the last tile's carry, so the dE
     correction sum_j S_ij mean(C_j) keeps the accuracy of its sum, not of one 8-bit code (plain
-    rounding measured 14x worse on zipf data). Chains start at zero carry.
+    rounding is an order of magnitude worse on LM-like data, docs/design.md). Chains start at
+    zero carry.
     """
     pid_n = tl.program_id(0)
     j0 = tl.program_id(1) * chain
