@@ -79,7 +79,7 @@ def compare_with_reference(fn, e, c, t, b, *, seed: int = 0, ref_dtype=torch.flo
 
 
 # --------------------------------------------------------------------------------------------
-# Oracle comparison with error bounds (used by tests/test_linear.py; any implementation can use it)
+# Oracle comparison with error bounds (used by tests/ops/linear_ce/test_linear.py; any impl can use it)
 # --------------------------------------------------------------------------------------------
 
 # Unit roundoff (half an ulp at 1.0) of the dtype a gradient is stored in. Storing an exact value

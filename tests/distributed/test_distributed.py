@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
 
 from helpers import filter_error_bounds, loss_and_grads, make_linear_inputs, rel_err, tuned  # noqa: E402
 

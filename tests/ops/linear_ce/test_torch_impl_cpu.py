@@ -1,4 +1,4 @@
-"""CPU-specific paths of impl="torch" (cce/ops/linear_ce/chunked.py) that tests/test_linear.py's small
+"""CPU-specific paths of impl="torch" (cce/ops/linear_ce/chunked.py) that test_linear.py's small
 vocabularies do not reach on their own:
 
 * the in-place row-wise softmax that the forward statistics rely on (aliasing safety of aten's
