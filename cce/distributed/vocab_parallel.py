@@ -208,7 +208,7 @@ def vocab_parallel_with_options(
     check_replicated: bool = True,
 ):
     """:func:`linear_cross_entropy_vocab_parallel` with its options in a :class:`CCEOptions`
-    (the form ``cce.linear.linear_cross_entropy_with_options`` dispatches to)."""
+    (the form ``cce.linear_cross_entropy_with_options`` dispatches to)."""
     c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
     e = replicated_local("e", e)
     targets = replicated_local("targets", targets)

@@ -326,7 +326,7 @@ def _sparse_dc_kernel(
 
 @dataclass
 class SparsePlan:
-    """Everything the sparse backward kernels read besides the problem tensors (triton_impl.py
+    """Everything the sparse backward kernels read besides the problem tensors (triton_backward.py
     builds it with torch ops on the device; rows are in the valid-first order, tiles are the
     forward's tiles of the vocabulary in ``perm`` order).
 
