@@ -7,6 +7,9 @@ Examples::
     python -m bench --sweep                  # the N sweep 1024..65536 at llama3-8b (linear level)
     python -m bench --shapes llama3-8b,2048x1024x32000 --providers cce,torch --data zipf --modes fwd+bwd
     python -m bench --list                   # providers and whether they can run here
+    python -m bench --check linear [--quick] # correctness of impl="triton" at real sizes (bench/checks.py)
+    python -m bench --check logits           # the logits level against the float64 oracle
+    torchrun --nproc_per_node 2 -m bench.dist   # vocabulary parallelism on 2 GPUs (bench/dist.py)
 """
 
 from __future__ import annotations
@@ -70,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="print the table only")
     ap.add_argument("--list", action="store_true", help="list the providers and exit")
+    ap.add_argument(
+        "--check", choices=(LINEAR, LOGITS), help="correctness at real sizes instead of timings (GPU)"
+    )
     return ap
 
 
@@ -120,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
             why = p.unavailable()
             print(f"{p.name:<20} {p.level:<7} {'ok' if why is None else why:<32} {p.description}")
         return 0
+    if args.check:
+        from .checks import run_check
+
+        out = None if args.no_save else (args.out or RESULTS)
+        return 1 if run_check(args.check, args.quick, out, args.tag) else 0
     cfg = config_from_args(args)
     run(cfg)
     return 0

@@ -81,16 +81,9 @@ def _cce_recompute():
 
     def make():
         import cce
-        import cce.triton_impl as TI
 
-        def f(e, c, t):
-            old, TI.SPARSE_BACKWARD = TI.SPARSE_BACKWARD, False
-            try:
-                return cce.linear_cross_entropy(e, c, t)
-            finally:
-                TI.SPARSE_BACKWARD = old
-
-        return f
+        opts = cce.CCEOptions(tuning=cce.Tuning(backward="recompute"))
+        return lambda e, c, t: cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
 
     return make
 

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from bench import data
 from bench.__main__ import build_parser, config_from_args
-from bench.harness import Config, Shape, linear_reference, logits_reference, run
+from bench.harness import Config, Shape, run
 from bench.providers import FWD, FWDBWD, LINEAR, LOGITS, Provider, all_providers
+from bench.reference import linear_reference, logits_reference
 
 TORCH_PROVIDERS = ("torch", "chunked8", "torch-ce")
 GOOD = (*TORCH_PROVIDERS, "shifted")
@@ -202,3 +203,12 @@ def test_smoke_run_schema_and_failures(tmp_path, one_thread):
     assert by[("absent", "random", FWD)]["status"] == "unavailable"
     for mode in (FWD, FWDBWD):
         assert "modified its inputs" in by[("scribbler", "zipf", mode)]["error"]
+
+
+def test_check_modes_parse():
+    """The former one-off GPU checks are modes of the one CLI (bench/checks.py)."""
+    args = build_parser().parse_args(["--check", "linear", "--quick"])
+    assert args.check == "linear" and args.quick
+    assert build_parser().parse_args(["--check", "logits"]).check == "logits"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--check", "nothing"])

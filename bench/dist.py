@@ -2,11 +2,11 @@
 
 Launch (2 GPUs, NCCL):
 
-    torchrun --nproc_per_node 2 bench/dist_check.py            # writes $OUT/dist_check.json
+    torchrun --nproc_per_node 2 -m bench.dist            # writes $OUT/dist_check.json
 
-CPU smoke run of the same script (gloo, tiny shapes, impl="torch"):
+CPU smoke run of the same module (gloo, tiny shapes, impl="torch"):
 
-    torchrun --nproc_per_node 2 bench/dist_check.py --device cpu --shapes tiny --impl torch
+    torchrun --nproc_per_node 2 -m bench.dist --device cpu --shapes tiny --impl torch
 
 What it does, on every rank (rank r holds rows [r V / W, (r + 1) V / W) of the classifier; the
 same e and targets everywhere, bf16, every 17th target ignored):
@@ -39,18 +39,15 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import cce
+from cce.distributed import linear_cross_entropy_vocab_parallel
+from cce.reference import linear_cross_entropy_reference
 
-import cce  # noqa: E402
-from bench.data import SHAPES, make_inputs  # noqa: E402
-from bench.harness import linear_reference, rel_l2  # noqa: E402
-from cce.distributed import linear_cross_entropy_vocab_parallel  # noqa: E402
-from cce.reference import linear_cross_entropy_reference  # noqa: E402
+from .data import SHAPES, make_inputs
+from .reference import linear_reference, rel_l2
 
 ALL_SHAPES = {**SHAPES, "tiny": (256, 64, 1003)}
 TIME_RATIO_MAX = 0.6
@@ -267,12 +264,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--skip-options", action="store_true", help="skip the options equality check")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    ap.add_argument(
+        "--out", default=os.environ.get("OUT") or str(Path(__file__).resolve().parent / "results")
+    )
     args = ap.parse_args()
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.dtype = getattr(torch, args.dtype)
     if "RANK" not in os.environ:
-        print("launch with torchrun, e.g.: torchrun --nproc_per_node 2 bench/dist_check.py", file=sys.stderr)
+        print("launch with torchrun, e.g.: torchrun --nproc_per_node 2 -m bench.dist", file=sys.stderr)
         return 2
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "cuda":
@@ -291,7 +290,7 @@ def main() -> int:
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    _log(f"dist_check: world={world} backend={backend} device={name} impl={args.impl} dtype={args.dtype}")
+    _log(f"bench.dist: world={world} backend={backend} device={name} impl={args.impl} dtype={args.dtype}")
 
     result: dict = dict(world=world, backend=backend, device=name, impl=args.impl, torch=torch.__version__,
                         options=[], shapes=[], errors=[])  # fmt: skip
