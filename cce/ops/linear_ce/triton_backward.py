@@ -75,19 +75,28 @@ def coefficient_backward(
     return dE, dC, db
 
 
+def loss_coefficients(
+    weight, targets, lse, g, h, ignore_index: int, label_smoothing: float, z_loss: float, V: int
+):
+    """(alpha, beta, gamma, smoothing) per row of this loss for upstream gradients g (per-row
+    loss) and h (lse), cce/_math.py."""
+    k = _math.LossConsts(label_smoothing, z_loss, V)
+    valid = targets != ignore_index
+    w_t = _math.target_weight(weight, targets, valid)
+    W = _math.weight_total(weight, V, targets.device)
+    return (*_math.coefficients(g, h, lse, w_t, W, valid, k), k.smoothing)
+
+
 def loss_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes: int,
 ):  # fmt: skip
     """coefficient_backward for upstream gradients g (per-row loss) and h (lse) of this loss."""
-    V = c.shape[0]
-    k = _math.LossConsts(label_smoothing, z_loss, V)
-    valid = targets != ignore_index
-    w_t = _math.target_weight(weight, targets, valid)
-    W = _math.weight_total(weight, V, e2d.device)
-    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
+    alpha, beta, gamma, smoothing = loss_coefficients(
+        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, c.shape[0]
+    )
     return coefficient_backward(
-        e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if k.smoothing else None,
+        e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if smoothing else None,
         ignore_index, softcap, filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes,
     )  # fmt: skip
 
@@ -126,11 +135,9 @@ def sparse_backward(
     V, D = c.shape
     dev = e2d.device
     f32 = torch.float32
-    k = _math.LossConsts(label_smoothing, z_loss, V)
-    valid = targets != ignore_index
-    w_t = _math.target_weight(weight, targets, valid)
-    W = _math.weight_total(weight, V, dev)
-    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
+    alpha, beta, gamma, smooth = loss_coefficients(
+        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V
+    )
     r = RowOrder(targets, rows, ignore_index)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     alpha_s, beta_s, lse_s, t_s = srt(alpha.float()), srt(beta.float()), srt(lse), srt(r.safe_t)
@@ -158,7 +165,6 @@ def sparse_backward(
         coef = coef * (1.0 - (zt_s / softcap) ** 2)
     coef = torch.where(valid_s, coef, 0.0)
     keep = keep.bool()
-    smooth = k.smoothing
     gamma_s = srt(gamma.float()) if smooth else None
     w = None
     if smooth:
