@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--providers", help="comma list of provider names (default: all; see --list)")
     ap.add_argument("--skip", help="comma list of provider names to leave out")
     ap.add_argument("--levels", default=f"{LINEAR},{LOGITS}", help="linear and/or logits (default both)")
-    ap.add_argument("--data", default=",".join(data.REGIMES), help="random and/or zipf (default both)")
+    ap.add_argument(
+        "--data",
+        default=",".join(data.REGIMES),
+        help=f"comma list of {', '.join(data.ALL_REGIMES)} (default: {', '.join(data.REGIMES)})",
+    )
     ap.add_argument("--modes", default=",".join(MODES), help="fwd and/or fwd+bwd (default both)")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -95,8 +99,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     levels = tuple(_csv(args.levels))
     regimes = tuple(_csv(args.data))
     modes = tuple(_csv(args.modes))
-    for vals, allowed, what in ((levels, (LINEAR, LOGITS), "level"), (regimes, data.REGIMES, "data regime"),
-                                (modes, MODES, "mode")):  # fmt: skip
+    checks = (
+        (levels, (LINEAR, LOGITS), "level"),
+        (regimes, data.ALL_REGIMES, "data regime"),
+        (modes, MODES, "mode"),
+    )
+    for vals, allowed, what in checks:
         bad = [v for v in vals if v not in allowed]
         if bad or not vals:
             raise SystemExit(f"bad {what}(s) {bad or vals}; expected some of {allowed}")

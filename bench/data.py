@@ -1,4 +1,4 @@
-"""Benchmark inputs: the shapes and the two data regimes of ../shared/BRIEF.md, deterministic by seed.
+"""Benchmark inputs: the shapes and the data regimes of ../shared/BRIEF.md, deterministic by seed.
 
 Regimes (bf16 by default; every ``ignore_every``-th target is ``ignore_index``, as in the measured
 peer table):
@@ -13,6 +13,9 @@ peer table):
   the id range. Measured on 512 rows at V = 256000 (D = 512 and 2304): mean loss 2.0 nats
   (the expectation over t ~ f is 2.09; BRIEF.md quotes ~2.4), ~155 softmax entries per row
   above 2^-12 (BRIEF.md: ~200).
+
+- ``"real"`` / ``"init"``: hidden states and head of a small GPT trained in the run on text of the
+  installed packages, or untrained (bench/real.py).
 
 Tensors are generated on ``device`` with a generator of that device seeded by ``seed``: the same
 (seed, device type, shape) always gives the same tensors; CPU and CUDA streams differ. Generation
@@ -36,6 +39,9 @@ SHAPES: dict[str, tuple[int, int, int]] = {
 SWEEP_BASE = "llama3-8b"
 SWEEP_N: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 REGIMES = ("random", "zipf")
+# Regimes from a small GPT trained in the run on real text (bench/real.py), or left untrained.
+MODEL_REGIMES = ("real", "init")
+ALL_REGIMES = REGIMES + MODEL_REGIMES
 ZIPF_EXPONENT = 1.1
 # Scale of the target's own direction in e_i: sets the target's logit boost (~6.5 nats).
 ZIPF_TARGET_SCALE = 6.5
@@ -140,13 +146,17 @@ def make_inputs(
     ignore_every: int = IGNORE_EVERY,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(e [N, D], c [V, D], targets [N]) of ``regime`` ("random" or "zipf"); no requires_grad set."""
+    """(e [N, D], c [V, D], targets [N]) of ``regime`` (one of ALL_REGIMES); no requires_grad set."""
     kw = dict(dtype=dtype, device=device, seed=seed, ignore_every=ignore_every, ignore_index=ignore_index)
     if regime == "random":
         return random_inputs(N, D, V, **kw)
     if regime == "zipf":
         return zipf_inputs(N, D, V, **kw)
-    raise ValueError(f"unknown data regime {regime!r}; expected one of {REGIMES}")
+    if regime in MODEL_REGIMES:
+        from .real import real_inputs
+
+        return real_inputs(N, D, V, trained=regime == "real", **kw)
+    raise ValueError(f"unknown data regime {regime!r}; expected one of {ALL_REGIMES}")
 
 
 def make_logits(

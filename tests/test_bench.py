@@ -212,3 +212,20 @@ def test_check_modes_parse():
     assert build_parser().parse_args(["--check", "logits"]).check == "logits"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--check", "nothing"])
+
+
+def test_real_and_init_regimes_tiny():
+    """bench/real.py on the CPU at toy size: a BPE over installed packages' text, a TinyGPT
+    trained a few steps (real) or not (init); held-out rows, targets in range or ignored, and
+    training lowers the held-out loss."""
+    pytest.importorskip("tokenizers")
+    from bench.real import real_inputs
+
+    kw = dict(steps=60, corpus_bytes=1 << 20, dtype=torch.float32, device="cpu", seed=0)
+    losses = {}
+    for trained in (False, True):
+        e, c, t = real_inputs(300, 32, 600, trained=trained, **kw)
+        assert e.shape == (300, 32) and c.shape == (600, 32) and t.shape == (300,)
+        assert (t[::17] == -100).all() and ((t >= 0) & (t < 600)).sum() == 300 - len(t[::17])
+        losses[trained] = float(F.cross_entropy(e @ c.T, t))
+    assert losses[True] < losses[False] - 0.5, losses
