@@ -7,6 +7,7 @@ Examples::
     python -m bench --sweep                  # the N sweep 1024..65536 at llama3-8b (linear level)
     python -m bench --shapes llama3-8b,2048x1024x32000 --providers cce,torch --data zipf --modes fwd+bwd
     python -m bench --list                   # providers and whether they can run here
+    python -m bench --matrix --matrix-heads gpt2 --matrix-n 8192   # a slice of the shape x data matrix
     python -m bench --check linear [--quick] # correctness of impl="triton" at real sizes (bench/checks.py)
     python -m bench --check logits           # the logits level against the float64 oracle
     torchrun --nproc_per_node 2 -m bench.dist   # vocabulary parallelism on 2 GPUs (bench/dist.py)
@@ -61,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--levels", default=f"{LINEAR},{LOGITS}", help="linear and/or logits (default both)")
     ap.add_argument(
         "--data",
-        default=",".join(data.REGIMES),
-        help=f"comma list of {', '.join(data.ALL_REGIMES)} (default: {', '.join(data.REGIMES)})",
+        default=None,
+        help=f"comma list of {', '.join(data.ALL_REGIMES)} (default {', '.join(data.REGIMES)}; --matrix all)",
     )
-    ap.add_argument("--modes", default=",".join(MODES), help="fwd and/or fwd+bwd (default both)")
+    ap.add_argument("--modes", default=None, help="fwd and/or fwd+bwd (default both; fwd+bwd with --matrix)")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-ms", type=float, default=25.0)
@@ -80,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--check", choices=(LINEAR, LOGITS), help="correctness at real sizes instead of timings (GPU)"
     )
+    ap.add_argument(
+        "--matrix",
+        action="store_true",
+        help="the shape x data matrix (bench/matrix.py): linear level, fwd+bwd, every regime unless --data",
+    )
+    ap.add_argument("--matrix-heads", help="comma list of the matrix's heads (default all)")
+    ap.add_argument("--matrix-n", help="comma list of the matrix's token counts (default 2048,8192,32768)")
     return ap
 
 
@@ -97,8 +105,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     skip = set(_csv(args.skip))
     providers = [p for p in providers if p.name not in skip]
     levels = tuple(_csv(args.levels))
-    regimes = tuple(_csv(args.data))
-    modes = tuple(_csv(args.modes))
+    regimes = tuple(_csv(args.data)) or (data.ALL_REGIMES if args.matrix else data.REGIMES)
+    modes = tuple(_csv(args.modes)) or (("fwd+bwd",) if args.matrix else MODES)
     checks = (
         (levels, (LINEAR, LOGITS), "level"),
         (regimes, data.ALL_REGIMES, "data regime"),
@@ -108,7 +116,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
         bad = [v for v in vals if v not in allowed]
         if bad or not vals:
             raise SystemExit(f"bad {what}(s) {bad or vals}; expected some of {allowed}")
-    if args.sweep:
+    if args.matrix:
+        from .matrix import matrix_shapes
+
+        shapes = matrix_shapes(_csv(args.matrix_heads) or None, [int(n) for n in _csv(args.matrix_n)] or None)
+        levels = (LINEAR,)
+    elif args.sweep:
         _, D, V = data.SHAPES[data.SWEEP_BASE]
         ns = [int(n) for n in _csv(args.sweep_n)] or list(data.SWEEP_N)
         shapes = [Shape(f"{data.SWEEP_BASE}@N={n}", n, D, V, sweep=True) for n in ns]
@@ -140,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         out = None if args.no_save else (args.out or RESULTS)
         return 1 if run_check(args.check, args.quick, out, args.tag) else 0
     cfg = config_from_args(args)
-    run(cfg)
+    result = run(cfg)
+    if args.matrix:
+        from .matrix import summarize
+
+        print(summarize(result["rows"]))
     return 0
 
 

@@ -229,3 +229,26 @@ def test_real_and_init_regimes_tiny():
         assert (t[::17] == -100).all() and ((t >= 0) & (t < 600)).sum() == 300 - len(t[::17])
         losses[trained] = float(F.cross_entropy(e @ c.T, t))
     assert losses[True] < losses[False] - 0.5, losses
+
+
+def test_matrix_config_and_summary():
+    """--matrix: the issue's heads x token counts at the linear level, fwd+bwd, every regime by
+    default; slices by --matrix-heads / --matrix-n; the summary picks the fastest peer per cell."""
+    from bench.matrix import MATRIX_HEADS, summarize
+
+    cfg = config_from_args(build_parser().parse_args(["--matrix", "--device", "cpu"]))
+    assert len(cfg.shapes) == 3 * len(MATRIX_HEADS) and cfg.levels == (LINEAR,)
+    assert cfg.modes == (FWDBWD,) and set(cfg.regimes) == set(data.ALL_REGIMES)
+    args = ["--matrix", "--matrix-heads", "gpt2", "--matrix-n", "2048", "--data", "zipf", "--device", "cpu"]
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert [(s.N, s.D, s.V) for s in cfg.shapes] == [(2048, 768, 50257)] and cfg.regimes == ("zipf",)
+    base = dict(level="linear", mode="fwd+bwd", status="ok", shape="s", regime="zipf")
+    rows = [
+        dict(base, provider="cce", ms=2.0, de_err=1e-3, dc_err=2e-3),
+        dict(base, provider="cce-exact", ms=3.0),
+        dict(base, provider="torch-compile", ms=4.0),
+        dict(base, provider="torch", ms=9.0),
+    ]
+    text = summarize(rows)
+    assert "| s | zipf | 2.00 | 3.00 | torch-compile | 4.00 | 2.00 | yes |" in text
+    assert "geometric mean of (fastest peer / cce default) over 1 cells: 2.00" in text

@@ -1,0 +1,90 @@
+"""The shape x data matrix (``python -m bench --matrix``): every common LM head at several token
+counts, in every data regime, cce default and exact against every peer, summarised per cell as
+the speedup of cce's default over the fastest peer (issue 15's table).
+
+A full matrix takes longer than one device call: ``--matrix-heads`` and ``--matrix-n`` select a
+slice, and ``python -m bench.matrix FILE.json ...`` prints the summary of several runs' JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from .harness import Shape
+
+MATRIX_N: tuple[int, ...] = (2048, 8192, 32768)
+# (D, V) of the heads people train (issue 15).
+MATRIX_HEADS: dict[str, tuple[int, int]] = {
+    "gpt2": (768, 50257),
+    "qwen2.5-0.5b": (896, 151936),
+    "llama3.2-1b": (2048, 128256),
+    "qwen3.5": (2048, 248320),
+    "gemma2-2b": (2304, 256000),
+    "mistral-7b": (4096, 32000),
+    "llama3-8b": (4096, 128256),
+    "llama3-70b": (8192, 128256),
+}
+CCE, EXACT = "cce", "cce-exact"
+
+
+def matrix_shapes(heads: list[str] | None = None, ns: list[int] | None = None) -> list[Shape]:
+    """The matrix's shapes, named ``head@N=n``."""
+    heads = heads or list(MATRIX_HEADS)
+    unknown = [h for h in heads if h not in MATRIX_HEADS]
+    if unknown:
+        raise ValueError(f"unknown head(s) {unknown}; known: {list(MATRIX_HEADS)}")
+    return [Shape(f"{h}@N={n}", n, *MATRIX_HEADS[h]) for h in heads for n in ns or MATRIX_N]
+
+
+def _is_peer(name: str) -> bool:
+    return not name.startswith("cce")
+
+
+def summarize(rows: list[dict]) -> str:
+    """One line per (shape, data) of the fwd+bwd rows: cce default and exact, the fastest peer,
+    the speedup over it, whether the default is the fastest choice, its errors; the geometric
+    mean of the speedups last."""
+    cells: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        if r.get("level") == "linear" and r.get("mode") == "fwd+bwd" and r.get("status") == "ok":
+            cells.setdefault((r["shape"], r["regime"]), {})[r["provider"]] = r
+    cols = ["shape", "data", "cce ms", "exact ms", "fastest peer", "peer ms", "speedup", "default fastest",
+            "dE err", "dC err"]  # fmt: skip
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    speedups = []
+    for (shape, regime), by in sorted(cells.items()):
+        d, x = by.get(CCE), by.get(EXACT)
+        peers = [r for n, r in by.items() if _is_peer(n)]
+        best = min(peers, key=lambda r: r["ms"]) if peers else None
+        sp = best["ms"] / d["ms"] if (d and best) else None
+        if sp:
+            speedups.append(sp)
+        rivals = [r["ms"] for r in peers] + ([x["ms"]] if x else [])
+        fastest = None if not (d and rivals) else d["ms"] <= min(rivals)
+
+        def f(v, spec):
+            return "-" if v is None else format(v, spec)
+
+        out.append(
+            f"| {shape} | {regime} | {f(d and d['ms'], '.2f')} | {f(x and x['ms'], '.2f')} | "
+            f"{best['provider'] if best else '-'} | {f(best and best['ms'], '.2f')} | {f(sp, '.2f')} | "
+            f"{'-' if fastest is None else 'yes' if fastest else 'no'} | {f(d and d.get('de_err'), '.1e')} | "
+            f"{f(d and d.get('dc_err'), '.1e')} |"
+        )
+    if speedups:
+        gm = math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+        out.append(f"\ngeometric mean of (fastest peer / cce default) over {len(speedups)} cells: {gm:.2f}")
+    return "\n".join(out)
+
+
+def main(paths: list[str]) -> int:
+    rows = [r for p in paths for r in json.loads(Path(p).read_text())["rows"]]
+    print(summarize(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
