@@ -67,6 +67,13 @@ class Tuning:
         dc_scratch_tiles: kept-tile dZ scratch slots of the sparse dC writer (None: two per
             token block).
         stash_move_bytes: bytes of the temporary that moves dE rows into e's order.
+        dense_kept: the sparse backward does a vocabulary slab densely (GEMM-shaped kernels, on
+            the device's decision) where the tile filter keeps at least this share of its
+            (token block, tile) pairs; above 1: never for this reason.
+        skip_mass: ... and where the slabs from it to the end of the sorted vocabulary would
+            leave more than this share of the rows' non-target probability to the rank-1
+            corrections (docs/design.md, the error bound); above 1: never for this reason.
+        dense_slab_bytes: bytes of the dZ slab of the sparse backward's dense slabs.
     """
 
     backward: Backward = "auto"
@@ -76,6 +83,9 @@ class Tuning:
     de_block_slots: int = 2
     dc_scratch_tiles: int | None = None
     stash_move_bytes: int = 8 << 20
+    dense_kept: float = 0.25
+    skip_mass: float = 0.02
+    dense_slab_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if self.backward not in BACKWARDS:
@@ -85,6 +95,11 @@ class Tuning:
         _check_positive_int("stats_chain_tiles", self.stats_chain_tiles)
         _check_positive_int("stash_move_bytes", self.stash_move_bytes)
         _check_positive_int("dc_scratch_tiles", self.dc_scratch_tiles, allow_none=True)
+        _check_positive_int("dense_slab_bytes", self.dense_slab_bytes)
+        for name in ("dense_kept", "skip_mass"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
         if isinstance(self.de_block_slots, bool) or not isinstance(self.de_block_slots, int):
             raise ValueError(f"de_block_slots must be an int >= 0, got {self.de_block_slots!r}")
         if self.de_block_slots < 0:

@@ -15,6 +15,7 @@ from .kernels import backward_sparse as KS
 from .kernels.backward_exact import linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
 from .kernels.common import inverse_permutation, stats_blocks
+from .kernels.dense_slabs import slab_tiles
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
@@ -119,6 +120,7 @@ def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *, de_block_slots: int = 2,
     dc_scratch_tiles: int | None = None, move_bytes: int = 8 << 20, return_plan: bool = False,
+    dense_kept: float = 2.0, skip_mass: float = 2.0, dense_slab_bytes: int = 64 << 20,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
 
@@ -131,6 +133,11 @@ def sparse_backward(
     non-target mass, decoded from ``code``) and q_v G_j to dC; every target entry
     alpha p_t - beta is added exactly. Smoothing (never with softcap here) is the exact rank-1
     term.
+
+    Dense slabs (dense_slab_flags: slabs of whole tiles of about ``dense_slab_bytes`` of dZ where
+    at least ``dense_kept`` of the (block, tile) pairs are kept, or behind which more than
+    ``skip_mass`` of the non-target probability would be skipped) leave the plan and are done
+    exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values above 1 turn a rule off.
     """
     V, D = c.shape
     dev = e2d.device
@@ -165,6 +172,13 @@ def sparse_backward(
         coef = coef * (1.0 - (zt_s / softcap) ** 2)
     coef = torch.where(valid_s, coef, 0.0)
     keep = keep.bool()
+    tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
+    dense = None
+    if N > 0 and nt > 0 and (dense_kept <= 1 or skip_mass <= 1):
+        dense = dense_slab_flags(code, keep, alpha_s, r.n_valid, BN, tps, dense_kept, skip_mass)
+        # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
+        # and _dc_inputs mask them; the forward's codes are not modified).
+        keep &= ~dense.bool().repeat_interleave(tps)[:nt][None, :]
     gamma_s = srt(gamma.float()) if smooth else None
     w = None
     if smooth:
@@ -176,7 +190,8 @@ def sparse_backward(
         if smooth:
             wc = weighted_rows(w, c)
     if need_dc:
-        dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV)
+        live = None if dense is None else (dense == 0).repeat_interleave(tps)[:nt]
+        dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live)
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
     cap = KS.kept_scratch_tiles(N, e2d.dtype, dc_scratch_tiles) if need_dc else 0
@@ -198,18 +213,59 @@ def sparse_backward(
     dE, dC = KS.linear_ce_backward_sparse(
         e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
         need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
-        move_bytes=move_bytes,
+        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan
     return dE, dC
 
 
-def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int):
+def dense_slab_flags(
+    code: torch.Tensor,
+    keep: torch.Tensor,
+    alpha_s: torch.Tensor,
+    n_valid: torch.Tensor,
+    BLOCK_N: int,
+    tiles_per_slab: int,
+    dense_kept: float,
+    skip_mass: float,
+) -> torch.Tensor:
+    """int8 [n_slabs] on the device, 1 for the slabs of ``tiles_per_slab`` vocabulary tiles (in
+    the sorted order) that the sparse backward does densely; no host synchronisation.
+
+    A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
+    tile) pairs (recomputing kept tiles one by one costs more than a GEMM there), or where the
+    slabs from it to the end of the vocabulary hold more than ``skip_mass`` of the skipped
+    non-target probability, M_s = sum over rows of |alpha_i| sum_{j in slabs >= s} S_ij, over
+    sum_i |alpha_i|. The second rule makes a prefix of the sorted vocabulary dense until what
+    the rank-1 corrections replace is at most ``skip_mass`` of each row's mass on average
+    (docs/design.md: their error is that mass times the spread of the skipped classes).
+    """
+    N, nt = code.shape
+    dev = code.device
+    w = alpha_s.abs()
+    mass = torch.zeros(nt, dtype=torch.float32, device=dev)
+    for s in range(0, N, _SPARSE_ROWS):
+        t = min(s + _SPARSE_ROWS, N)
+        mass += w[s:t] @ decode_tile_mass(code[s:t])
+    n_slabs = -(-nt // tiles_per_slab)
+    pad = n_slabs * tiles_per_slab - nt
+    per_slab = torch.nn.functional.pad(mass, (0, pad)).view(n_slabs, tiles_per_slab).sum(1)
+    behind = per_slab.flip(0).cumsum(0).flip(0) / w.sum().clamp(min=1e-30)
+    kept = torch.nn.functional.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
+    blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
+    tiles = torch.full((n_slabs,), float(tiles_per_slab), device=dev)
+    tiles[-1] = tiles_per_slab - pad
+    frac = kept / (blocks * tiles)
+    return ((frac >= dense_kept) | (behind > skip_mass)).to(torch.int8)
+
+
+def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None):
     """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
     kernels.backward_sparse.SparsePlan.
 
-    Built in this function so that nothing but the plan holds them (the launcher releases them
+    ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
+    count. Built in this function so that nothing but the plan holds them (the launcher releases them
     once dC is written, before dE and the tile means are allocated)."""
     N, nt = code.shape
     V, D = vperm.numel(), e2d.shape[1]
@@ -224,6 +280,8 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
         t = min(s + _SPARSE_ROWS, N)
         # 0 for kept tiles and ignored rows (code 255)
         S = decode_tile_mass(code[s:t]) * alpha_s[s:t, None]
+        if live is not None:  # tiles of dense slabs: no correction
+            S = S * live[None, :]
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
             G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)

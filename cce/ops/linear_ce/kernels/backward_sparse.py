@@ -22,6 +22,7 @@ import triton.language as tl
 from ...._dispatch import interpreting
 from ... import jit_math as jm
 from .common import check_inputs, config, device_context, logit_tile, precision, stats_blocks, tile_cols
+from .dense_slabs import run_dense_slabs
 from .stash import de_rounds, shares_memory, stash_layout, to_e_rows
 from .tile_stats import STATS_STEPS, tile_means
 
@@ -162,15 +163,20 @@ def _kept_dz_block_kernel(
 
 
 @triton.heuristics(
-    {"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_SMOOTH": lambda a: a["Gamma"] is not None}
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "HAS_SMOOTH": lambda a: a["Gamma"] is not None,
+        "HAS_DENSE": lambda a: a["Dense"] is not None,
+    }
 )
 @triton.jit
 def _sparse_de_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, Code, ListE, CntE, Cm, WC,
-    Scratch, ScaleBuf, dE,
-    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, n_vtiles, softcap, blk0, code_row0,
-    slot_blk0, cap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, SCALE_DZ: tl.constexpr,
+    Scratch, ScaleBuf, Dense, DEAcc, dE,
+    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, n_vtiles, softcap, blk0,
+    code_row0, slot_blk0, cap, tiles_per_slab,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_DENSE: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -181,7 +187,8 @@ def _sparse_de_kernel(
     slots of _kept_dz_block_kernel, block slot_blk0's first, the others recomputed)
     + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
     + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v: Gamma and WC,
-    or None without smoothing].
+    or None without smoothing] [+ DEAcc[sorted row], the dense slabs' part (fp32), whose tiles'
+    codes do not count: Dense per slab of tiles_per_slab tiles, both or neither None].
 
     Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
     """
@@ -223,6 +230,9 @@ def _sparse_de_kernel(
             mask=row_mask[:, None] & jm[None, :], other=255,
         ).to(tl.float32)  # fmt: skip  # [BLOCK_N, BLOCK_J]
         S = tl.where(code < 255.0, tl.exp(code * (-1.0 / STEPS)), 0.0)
+        if HAS_DENSE:
+            dn = tl.load(Dense + offs_j // tiles_per_slab, mask=jm, other=1)
+            S = tl.where(dn[None, :] == 0, S, 0.0)
         cm = tl.load(
             Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
             mask=jm[:, None] & dmask[None, :], other=0.0,
@@ -238,6 +248,11 @@ def _sparse_de_kernel(
         gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
         wc = tl.load(WC + offs_do, mask=dmask, other=0.0)
         acc -= gamma[:, None] * wc[None, :]
+    if HAS_DENSE:
+        acc += tl.load(
+            DEAcc + offs_n.to(tl.int64)[:, None] * stride_acc + offs_do[None, :],
+            mask=row_mask[:, None] & dmask[None, :], other=0.0,
+        )  # fmt: skip
     tl.store(
         dE + offs_n.to(tl.int64)[:, None] * stride_de + offs_do[None, :], acc.to(dE.dtype.element_ty),
         mask=row_mask[:, None] & dmask[None, :],
@@ -249,15 +264,16 @@ def _sparse_de_kernel(
         "HAS_BIAS": lambda a: a["Bias"] is not None,
         "HAS_WEIGHT": lambda a: a["W"] is not None,
         "HAS_SMOOTH": lambda a: a["GE"] is not None,
+        "HAS_DENSE": lambda a: a["Dense"] is not None,
     }
 )
 @triton.jit
 def _sparse_dc_kernel(
     E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
-    Gidx, Scratch, ScaleBuf, dC,
-    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, cap,
+    Gidx, Scratch, ScaleBuf, Dense, dC,
+    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, cap, tiles_per_slab,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
+    HAS_DENSE: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -266,9 +282,15 @@ def _sparse_dc_kernel(
     sum over the tile's kept token blocks of dZ_tile^T @ E_block (recomputed)
     + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile)
     + sum over the rows i with t_i in the tile of coef_i e_i (exact in fp32) [- w_v sum_i gamma_i e_i].
+
+    Tiles of a dense slab (Dense, per slab of tiles_per_slab tiles, or None) are written by
+    dense_slabs._slab_dc_kernel instead.
     """
     pid_v = tl.program_id(0)
     pid_d = tl.program_id(1)
+    if HAS_DENSE:
+        if tl.load(Dense + pid_v // tiles_per_slab) != 0:
+            return
     n_valid = tl.load(NValid)
     offs_p, col_mask, vid = tile_cols(Perm, pid_v, V, BLOCK_V)
     offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
@@ -400,6 +422,8 @@ def linear_ce_backward_sparse(
     release: bool = True,
     de_block_slots: int = 2,
     move_bytes: int = 8 << 20,
+    dense: torch.Tensor | None = None,
+    tiles_per_slab: int = 1,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
     codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
@@ -414,6 +438,11 @@ def linear_ce_backward_sparse(
     O(N) bytes per row is allocated besides the gradients. gamma (smoothing without softcap) is
     given with plan.wc / plan.ge. With ``release`` the plan's dC-only tensors are dropped once dC
     is written.
+
+    ``dense`` (int8 [n_slabs] on the device, or None): the slabs of ``tiles_per_slab`` tiles
+    that the plan leaves out (keep 0, code 255), done first by dense_slabs.run_dense_slabs: their
+    dC rows directly, their dE part through an fp32 [N, D] accumulator the dE writer adds (the
+    one O(N D) buffer besides the gradients, allocated only with ``dense``).
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma)
     N = erow.numel()
@@ -462,6 +491,17 @@ def linear_ce_backward_sparse(
                     ListE=plan.list_e, CntE=plan.cnt_e, Scratch=slots, ScaleBuf=slot_scale,
                     BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
                 )  # fmt: skip
+    de_acc = None
+    if dense is not None:
+        if need_de:
+            de_acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
+        if need_dc:
+            dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
+        run_dense_slabs(
+            e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
+            (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
+            plan.ge if smooth else None,
+        )  # fmt: skip
     if need_dc:
         cap = min(plan.klist.numel() - 1, free // tile)
         if need_de and cap > 0:
@@ -475,14 +515,16 @@ def linear_ce_backward_sparse(
                     KList=plan.klist, NKept=plan.n_kept, Scratch=scratch, ScaleBuf=scalebuf,
                     BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
                 )  # fmt: skip
-        dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
+        if dC is None:
+            dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
         if V > 0:
             with ctx:
                 _sparse_dc_kernel[(n_vtiles, triton.cdiv(D, BDO_C))](
                     W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
                     TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
-                    Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, dC=dC, stride_dc=dC.stride(0),
-                    stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap, BLOCK_D=BD, BLOCK_DO=BDO_C,
+                    Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense, dC=dC,
+                    stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap,
+                    tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
                     BLOCK_R=BR, num_warps=warps, num_stages=2, **common,
                 )  # fmt: skip
         del scratch, scalebuf
@@ -505,15 +547,16 @@ def linear_ce_backward_sparse(
                 with ctx:
                     _sparse_de_kernel[(triton.cdiv(b - a, BN), triton.cdiv(D, BDO_E))](
                         Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e, CntE=plan.cnt_e,
-                        Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale, dE=stash,
-                        stride_de=stash.stride(0), stride_code=code.stride(0), stride_cm=cm.stride(0),
+                        Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale,
+                        Dense=dense, DEAcc=de_acc, dE=stash, tiles_per_slab=tiles_per_slab, stride_de=stash.stride(0), stride_code=code.stride(0),
+                        stride_cm=cm.stride(0), stride_acc=0 if de_acc is None else de_acc.stride(0),
                         blk0=a // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0], N_SLOTS=S,
                         BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ, STEPS=STATS_STEPS, num_warps=warps,
                         num_stages=2, **common,
                     )  # fmt: skip
                 del code, sl, sl_scale
             del cm
-        del slots, slot_scale
+        del slots, slot_scale, de_acc
         to_e_rows(stash, src, move_bytes)
         dE = stash
     return dE, dC

@@ -1,0 +1,283 @@
+"""The dense slabs of the sparse backward: vocabulary slabs where recomputing tile by tile does
+not pay, run as GEMMs whose launch the device decides.
+
+The sparse backward (backward_sparse.py) is fast where few tiles are kept (an LM's softmax on
+the head of a sorted vocabulary) and slow where many are: a kept tile past its scratch slot is
+recomputed once per D chunk of each output. Its rank-1 corrections of skipped tiles are accurate
+only where the skipped mass is small. The sorted vocabulary is therefore cut into slabs of
+whole tiles, and the device marks a slab dense (triton_backward.dense_slab_flags: many kept
+tiles, or too much skipped mass left behind it) from the forward's own statistics. A dense
+slab's tiles leave the sparse plan (keep 0, code 255) and are done here, exactly, in three
+launches per slab that return at once for a sparse slab (no host synchronisation, so a step
+stays capturable in a CUDA graph):
+
+    dZ_slab[i, k] = alpha_i p_{i, v_k} softcap'(z_{i, v_k})   non-target entries only,
+                                                              v_k = perm[v0 + k]
+    dE_acc[i, :] += dZ_slab[i, :] @ C[perm[v0:v1]]            fp32 accumulator, sorted rows
+    dC[perm[v0 + k], :] = dZ_slab[:, k]^T @ E[erow]           written once, c's dtype
+
+The target entries stay out of the slab: the sparse writers add every row's exact target term
+(alpha p_t - beta, in fp32). dZ is rounded once to the operand dtype, as in the exact path; fp16
+stores it times inv = 1 / max |alpha| (alpha p can sit below fp16's normal range) and the
+products are scaled back. Rows past n_valid have alpha = 0 and are stored as zeros; columns
+past V likewise (the slab buffer is reused, and a stale entry would meet a masked operand).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import interpreting
+from ... import jit_math as jm
+from .common import config, device_context, logit_tile, precision, tile_cols
+
+
+def dense_config() -> tuple[int, int, int, int, int]:
+    """(BLOCK_M of dE's rows and of dC's classes, BLOCK_DO, BLOCK_K, num_warps, num_stages) of
+    the two slab GEMMs: 128 x 128 fp32 accumulators, 64-deep operand tiles."""
+    if interpreting():
+        return 16, 32, 16, 4, 1
+    return 128, 128, 64, 8, 3
+
+
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "SCALE_DZ": lambda a: a["Inv"] is not None})
+@triton.jit
+def _slab_dz_kernel(
+    E, C, Bias,  # [*, D] hidden states, [V, D] classifier, [V] or None
+    Erow, Tgt, Perm, NValid, Lse, Alpha,  # per sorted row / sorted position
+    Dense,  # [n_slabs] int8: 1 where the slab is dense
+    DZ,  # [N, slab] operand dtype
+    Inv,  # [1] fp32 1 / max |alpha| (fp16), or None
+    N, V, D, stride_e, stride_c, stride_dz, slab, tile0, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Program (b, s): tile tile0 + s of the sorted vocabulary for token block b, into columns
+    [s BLOCK_V, (s + 1) BLOCK_V) of the slab, if slab ``slab`` is dense."""
+    if tl.load(Dense + slab) == 0:
+        return
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    start = pid_n * BLOCK_N
+    n_valid = tl.load(NValid)
+    if start >= n_valid:
+        return  # never written: zero since the slab's allocation
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    offs_p, col_mask, vid = tile_cols(Perm, tile0 + s, V, BLOCK_V)
+    L = logit_tile(
+        E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
+    )  # [BLOCK_N, BLOCK_V]
+    if HAS_BIAS:
+        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        L, th = jm.softcap(L, softcap)
+    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
+    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    if SCALE_DZ:
+        dz *= tl.load(Inv)
+    cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
+    ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + cols[None, :]
+    tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
+
+
+@triton.heuristics({"SCALE_DZ": lambda a: a["Scale"] is not None})
+@triton.jit
+def _slab_de_kernel(
+    DZ, C, Perm, NValid, Dense, DEAcc, Scale,
+    V, D, stride_dz, stride_c, stride_de, slab, v0, width,
+    SCALE_DZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """DEAcc[rows of block m, D chunk] += DZ[rows, :width] @ C[perm[v0 : v0 + width], D chunk],
+    if slab ``slab`` is dense; one program owns its output tile (no atomics)."""
+    if tl.load(Dense + slab) == 0:
+        return
+    start = tl.program_id(0) * BLOCK_M
+    n_valid = tl.load(NValid)
+    if start >= n_valid:
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < n_valid
+    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptr = DZ + offs_m.to(tl.int64)[:, None] * stride_dz + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
+    for k0 in range(0, width, BLOCK_K):
+        km = (k0 + offs_k) < width
+        vid = tl.load(Perm + v0 + k0 + offs_k, mask=km, other=0).to(tl.int64)
+        a = tl.load(a_ptr, mask=row_mask[:, None] & km[None, :], other=0.0)
+        b = tl.load(
+            C + vid[:, None] * stride_c + offs_do[None, :], mask=km[:, None] & dmask[None, :], other=0.0
+        )  # [BLOCK_K, BLOCK_DO]
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptr += BLOCK_K
+    if SCALE_DZ:
+        acc *= tl.load(Scale)
+    out = DEAcc + offs_m.to(tl.int64)[:, None] * stride_de + offs_do[None, :]
+    m2 = row_mask[:, None] & dmask[None, :]
+    tl.store(out, tl.load(out, mask=m2, other=0.0) + acc, mask=m2)
+
+
+@triton.heuristics(
+    {
+        "SCALE_DZ": lambda a: a["Scale"] is not None,
+        "HAS_SMOOTH": lambda a: a["GE"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+    }
+)
+@triton.jit
+def _slab_dc_kernel(
+    DZ, E, Erow, Perm, NValid, Dense, dC, Scale,
+    Seg, TRow, TPos, TCoef,  # the valid rows ordered by their target's tile (backward_sparse.SparsePlan)
+    W, GE,  # smoothing: class weights [V] or None, sum_i gamma_i e_i [D] fp32; or None
+    V, D, stride_dz, stride_e, stride_dc, slab, v0, width,
+    SCALE_DZ: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dC[perm[v0 + cols of block m], D chunk] = DZ[:n_valid, cols]^T @ E[erow[:n_valid], D chunk]
+    + sum over the rows i whose target is one of these classes of coef_i e_i (exact, fp32)
+    [- w_v sum_i gamma_i e_i, the smoothing term], in
+    dC's dtype, if slab ``slab`` is dense; one program owns its output tile. BLOCK_M divides
+    BLOCK_V and v0 is a multiple of BLOCK_V: a program's classes lie in one tile."""
+    if tl.load(Dense + slab) == 0:
+        return
+    n_valid = tl.load(NValid)
+    cols = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cmask = cols < width
+    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
+    for k0 in range(0, n_valid, BLOCK_K):
+        rows = k0 + offs_k
+        rm = rows < n_valid
+        erow = tl.load(Erow + rows, mask=rm, other=0).to(tl.int64)
+        a = tl.load(
+            DZ + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :], mask=rm[:, None] & cmask[None, :],
+            other=0.0,
+        )  # fmt: skip  # [BLOCK_K, BLOCK_M]
+        b = tl.load(
+            E + erow[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
+        )  # [BLOCK_K, BLOCK_DO]
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    if SCALE_DZ:
+        acc *= tl.load(Scale)
+    # The target entries (left out of the slab), one fp32 one-hot product per BLOCK_R rows, as
+    # in backward_sparse._sparse_dc_kernel.
+    p0 = v0 + tl.program_id(0) * BLOCK_M
+    j = p0 // BLOCK_V
+    seg0 = tl.load(Seg + j)
+    seg1 = tl.load(Seg + j + 1)
+    lanes = tl.arange(0, BLOCK_M)
+    for r0 in range(seg0, seg1, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        rm = offs_r < seg1
+        row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
+        lp = tl.load(TPos + offs_r, mask=rm, other=-1) - p0
+        cf = tl.load(TCoef + offs_r, mask=rm, other=0.0)
+        x = tl.load(
+            E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
+        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [BLOCK_M, BLOCK_R]
+        acc = tl.dot(onehot, x, acc, input_precision="ieee")
+    vid = tl.load(Perm + v0 + cols, mask=cmask, other=0).to(tl.int64)
+    if HAS_SMOOTH:
+        if HAS_WEIGHT:
+            w = tl.load(W + vid, mask=cmask, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(cmask, 1.0, 0.0)
+        acc -= w[:, None] * tl.load(GE + offs_do, mask=dmask, other=0.0)[None, :]
+    out = dC + vid[:, None] * stride_dc + offs_do[None, :]
+    tl.store(out, acc.to(dC.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
+
+
+def slab_tiles(N: int, n_vtiles: int, BLOCK_V: int, elem_bytes: int, slab_bytes: int) -> int:
+    """Vocabulary tiles per dense slab: as many as ``slab_bytes`` of dZ hold (at least one)."""
+    return max(1, min(n_vtiles, slab_bytes // max(1, N * elem_bytes * BLOCK_V)))
+
+
+def run_dense_slabs(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    erow: torch.Tensor,
+    tgt: torch.Tensor,
+    perm: torch.Tensor,
+    n_valid: torch.Tensor,
+    lse: torch.Tensor,
+    alpha: torch.Tensor,
+    dense: torch.Tensor,
+    tiles_per_slab: int,
+    softcap: float,
+    de_acc: torch.Tensor | None,
+    dC: torch.Tensor | None,
+    targets_by_tile: tuple | None = None,
+    weight: torch.Tensor | None = None,
+    ge: torch.Tensor | None = None,
+) -> None:
+    """The dense slabs' part of the gradients (module docstring): dE of the sorted rows added to
+    ``de_acc`` (fp32 [N, D]), dC's rows of the dense slabs' classes written into ``dC``. ``dense``
+    (int8 [n_slabs], on the device) says which slabs; every launch happens, a sparse slab's
+    return at once. Tiles are the forward's (config "fwd"), in ``perm`` order. With ``dC``,
+    ``targets_by_tile`` = (seg, trow, tpos, tcoef) of the sparse plan: the target terms of the
+    dense slabs' classes are added here, and with ``ge`` (smoothing: sum_i gamma_i e_i) the
+    smoothing term -w_v ge (``weight``: class weights, None for 1)."""
+    N = erow.numel()
+    V, D = c.shape
+    if N == 0 or V == 0 or (de_acc is None and dC is None):
+        return
+    cfg = config(e2d.dtype, "fwd")
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    n_vtiles = triton.cdiv(V, BV)
+    BM, BDO, BK, warps, stages = dense_config()
+    BR = 16 if interpreting() else 32
+    if BV % BM:
+        raise ValueError(f"the dC tiles ({BM} classes) must divide the vocabulary tiles ({BV})")
+    width_max = tiles_per_slab * BV
+    DZ = torch.zeros((N, width_max), dtype=e2d.dtype, device=e2d.device)
+    scale = inv = None
+    if e2d.dtype == torch.float16:
+        scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
+        inv = (1.0 / scale).contiguous()
+    prec = precision(e2d.dtype)
+    if dC is not None:
+        if targets_by_tile is None:
+            raise ValueError("dC needs targets_by_tile")
+        seg, trow, tpos, tcoef = targets_by_tile
+    with device_context(e2d.device):
+        for s, t0 in enumerate(range(0, n_vtiles, tiles_per_slab)):
+            nt = min(tiles_per_slab, n_vtiles - t0)
+            v0 = t0 * BV
+            width = min(V, (t0 + nt) * BV) - v0
+            _slab_dz_kernel[(triton.cdiv(N, BN), nt)](
+                E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse,
+                Alpha=alpha, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
+                stride_c=c.stride(0), stride_dz=DZ.stride(0), slab=s, tile0=t0, softcap=float(softcap),
+                HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )  # fmt: skip
+            if de_acc is not None:
+                _slab_de_kernel[(triton.cdiv(N, BM), triton.cdiv(D, BDO))](
+                    DZ=DZ, C=c, Perm=perm, NValid=n_valid, Dense=dense, DEAcc=de_acc, Scale=scale, V=V,
+                    D=D, stride_dz=DZ.stride(0), stride_c=c.stride(0), stride_de=de_acc.stride(0), slab=s,
+                    v0=v0, width=width, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, PRECISION=prec,
+                    num_warps=warps, num_stages=stages,
+                )  # fmt: skip
+            if dC is not None:
+                _slab_dc_kernel[(triton.cdiv(width, BM), triton.cdiv(D, BDO))](
+                    DZ=DZ, E=e2d, Erow=erow, Perm=perm, NValid=n_valid, Dense=dense, dC=dC, Scale=scale,
+                    Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, W=weight, GE=ge, V=V, D=D, stride_dz=DZ.stride(0),
+                    stride_e=e2d.stride(0), stride_dc=dC.stride(0), slab=s, v0=v0, width=width,
+                    BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV, BLOCK_R=BR, PRECISION=prec,
+                    num_warps=warps, num_stages=stages,
+                )  # fmt: skip
