@@ -63,7 +63,9 @@ def _oracle(e, c, t, bias=None, weight=None, *, seed=5, **opts):
     return loss.detach(), ee.grad, cc.grad
 
 
-@pytest.mark.parametrize("dense_kept,skip_mass,slab_bytes", [(0.3, 0.05, 2048), (2.0, 0.01, 4096), (0.1, 2.0, 1)])
+@pytest.mark.parametrize(
+    "dense_kept,skip_mass,slab_bytes", [(0.3, 0.05, 2048), (2.0, 0.01, 4096), (0.1, 2.0, 1)]
+)
 def test_flags_follow_the_rule(dense_kept, skip_mass, slab_bytes):
     """dense_slab_flags against the rule recomputed in float64 from the forward's codes and keep
     flags (with ignored rows, a partial last token block and a partial last slab)."""
