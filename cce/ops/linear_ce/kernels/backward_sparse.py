@@ -548,7 +548,8 @@ def linear_ce_backward_sparse(
                     _sparse_de_kernel[(triton.cdiv(b - a, BN), triton.cdiv(D, BDO_E))](
                         Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e, CntE=plan.cnt_e,
                         Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale,
-                        Dense=dense, DEAcc=de_acc, dE=stash, tiles_per_slab=tiles_per_slab, stride_de=stash.stride(0), stride_code=code.stride(0),
+                        Dense=dense, DEAcc=de_acc, dE=stash, tiles_per_slab=tiles_per_slab,
+                        stride_de=stash.stride(0), stride_code=code.stride(0),
                         stride_cm=cm.stride(0), stride_acc=0 if de_acc is None else de_acc.stride(0),
                         blk0=a // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0], N_SLOTS=S,
                         BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ, STEPS=STATS_STEPS, num_warps=warps,

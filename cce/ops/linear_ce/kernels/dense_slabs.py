@@ -141,7 +141,8 @@ def _slab_dc_kernel(
     Seg, TRow, TPos, TCoef,  # the valid rows ordered by their target's tile (backward_sparse.SparsePlan)
     W, GE,  # smoothing: class weights [V] or None, sum_i gamma_i e_i [D] fp32; or None
     V, D, stride_dz, stride_e, stride_dc, slab, v0, width,
-    SCALE_DZ: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_DZ: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dC[perm[v0 + cols of block m], D chunk] = DZ[:n_valid, cols]^T @ E[erow[:n_valid], D chunk]
@@ -276,7 +277,8 @@ def run_dense_slabs(
             if dC is not None:
                 _slab_dc_kernel[(triton.cdiv(width, BM), triton.cdiv(D, BDO))](
                     DZ=DZ, E=e2d, Erow=erow, Perm=perm, NValid=n_valid, Dense=dense, dC=dC, Scale=scale,
-                    Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, W=weight, GE=ge, V=V, D=D, stride_dz=DZ.stride(0),
+                    Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, W=weight, GE=ge, V=V, D=D,
+                    stride_dz=DZ.stride(0),
                     stride_e=e2d.stride(0), stride_dc=dC.stride(0), slab=s, v0=v0, width=width,
                     BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV, BLOCK_R=BR, PRECISION=prec,
                     num_warps=warps, num_stages=stages,
