@@ -84,7 +84,7 @@ class Tuning:
     dc_scratch_tiles: int | None = None
     stash_move_bytes: int = 8 << 20
     dense_kept: float = 0.25
-    skip_mass: float = 0.02
+    skip_mass: float = 0.1
     dense_slab_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:

@@ -31,15 +31,17 @@ import triton.language as tl
 
 from ...._dispatch import interpreting
 from ... import jit_math as jm
-from .common import config, device_context, logit_tile, precision, tile_cols
+from .common import config, device_context, logit_tile, precision, tensor_descriptor, tile_cols, use_tma
 
 
-def dense_config() -> tuple[int, int, int, int, int]:
+def dense_config(tma: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_M of dE's rows and of dC's classes, BLOCK_DO, BLOCK_K, num_warps, num_stages) of
-    the two slab GEMMs: 128 x 128 fp32 accumulators, 64-deep operand tiles."""
+    the two slab GEMMs (docs/benchmarks.md has the sweep on an H100)."""
     if interpreting():
         return 16, 32, 16, 4, 1
-    return 128, 128, 64, 8, 3
+    if tma:
+        return 128, 128, 64, 4, 4
+    return 128, 128, 64, 4, 4
 
 
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "SCALE_DZ": lambda a: a["Inv"] is not None})
@@ -89,16 +91,66 @@ def _slab_dz_kernel(
     tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
 
 
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "SCALE_DZ": lambda a: a["Inv"] is not None})
+@triton.jit
+def _slab_dz_tma_kernel(
+    Ed, Cd,  # descriptors of the sorted rows E_s [N, D] and of the slab's classes C_slab [width, D]
+    Bias, Tgt, Perm, NValid, Lse, Alpha, Dense, DZ, Inv,
+    N, V, D, stride_dz, slab, v0, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_slab_dz_kernel with its operands read by tensor descriptors (Hopper): the slab's classes
+    gathered into C_slab beforehand, the target entries masked by comparing ids."""
+    if tl.load(Dense + slab) == 0:
+        return
+    pid_n = tl.program_id(0)
+    s = tl.program_id(1)
+    start = pid_n * BLOCK_N
+    n_valid = tl.load(NValid)
+    if start >= n_valid:
+        return
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        a = Ed.load([start, d0])  # [BLOCK_N, BLOCK_D]; zeros past N and D
+        b = Cd.load([s * BLOCK_V, d0])  # [BLOCK_V, BLOCK_D]; zeros past the slab
+        acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = v0 + cols < V
+    vid = tl.load(Perm + v0 + cols, mask=col_mask, other=0).to(tl.int64)
+    L = acc
+    if HAS_BIAS:
+        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        L, th = jm.softcap(L, softcap)
+    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
+    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    if SCALE_DZ:
+        dz *= tl.load(Inv)
+    ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + cols[None, :]
+    tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
+
+
 @triton.heuristics({"SCALE_DZ": lambda a: a["Scale"] is not None})
 @triton.jit
 def _slab_de_kernel(
     DZ, C, Perm, NValid, Dense, DEAcc, Scale,
+    DZd, Cd,  # USE_TMA: descriptors of DZ [N, slab] and of C_slab [width, D] (else None)
     V, D, stride_dz, stride_c, stride_de, slab, v0, width,
-    SCALE_DZ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SCALE_DZ: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """DEAcc[rows of block m, D chunk] += DZ[rows, :width] @ C[perm[v0 : v0 + width], D chunk],
-    if slab ``slab`` is dense; one program owns its output tile (no atomics)."""
+    if slab ``slab`` is dense; one program owns its output tile (no atomics). USE_TMA: the
+    operands by descriptors, C's rows gathered into C_slab beforehand (rows past width read as
+    zeros, so the slab's stale columns there meet zeros)."""
     if tl.load(Dense + slab) == 0:
         return
     start = tl.program_id(0) * BLOCK_M
@@ -113,14 +165,18 @@ def _slab_de_kernel(
     a_ptr = DZ + offs_m.to(tl.int64)[:, None] * stride_dz + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
-        km = (k0 + offs_k) < width
-        vid = tl.load(Perm + v0 + k0 + offs_k, mask=km, other=0).to(tl.int64)
-        a = tl.load(a_ptr, mask=row_mask[:, None] & km[None, :], other=0.0)
-        b = tl.load(
-            C + vid[:, None] * stride_c + offs_do[None, :], mask=km[:, None] & dmask[None, :], other=0.0
-        )  # [BLOCK_K, BLOCK_DO]
+        if USE_TMA:
+            a = DZd.load([start, k0])  # [BLOCK_M, BLOCK_K]
+            b = Cd.load([k0, tl.program_id(1) * BLOCK_DO])  # [BLOCK_K, BLOCK_DO]
+        else:
+            km = (k0 + offs_k) < width
+            vid = tl.load(Perm + v0 + k0 + offs_k, mask=km, other=0).to(tl.int64)
+            a = tl.load(a_ptr, mask=row_mask[:, None] & km[None, :], other=0.0)
+            b = tl.load(
+                C + vid[:, None] * stride_c + offs_do[None, :], mask=km[:, None] & dmask[None, :], other=0.0
+            )  # [BLOCK_K, BLOCK_DO]
+            a_ptr += BLOCK_K
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptr += BLOCK_K
     if SCALE_DZ:
         acc *= tl.load(Scale)
     out = DEAcc + offs_m.to(tl.int64)[:, None] * stride_de + offs_do[None, :]
@@ -138,10 +194,11 @@ def _slab_de_kernel(
 @triton.jit
 def _slab_dc_kernel(
     DZ, E, Erow, Perm, NValid, Dense, dC, Scale,
+    DZd, Ed,  # USE_TMA: descriptors of DZ [N, slab] and of the sorted rows E_s [N, D] (else None)
     Seg, TRow, TPos, TCoef,  # the valid rows ordered by their target's tile (backward_sparse.SparsePlan)
     W, GE,  # smoothing: class weights [V] or None, sum_i gamma_i e_i [D] fp32; or None
     V, D, stride_dz, stride_e, stride_dc, slab, v0, width,
-    SCALE_DZ: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    SCALE_DZ: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -160,16 +217,21 @@ def _slab_dc_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
     for k0 in range(0, n_valid, BLOCK_K):
-        rows = k0 + offs_k
-        rm = rows < n_valid
-        erow = tl.load(Erow + rows, mask=rm, other=0).to(tl.int64)
-        a = tl.load(
-            DZ + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :], mask=rm[:, None] & cmask[None, :],
-            other=0.0,
-        )  # fmt: skip  # [BLOCK_K, BLOCK_M]
-        b = tl.load(
-            E + erow[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
-        )  # [BLOCK_K, BLOCK_DO]
+        if USE_TMA:
+            # rows past n_valid: zeros in DZ (never written)
+            a = DZd.load([k0, tl.program_id(0) * BLOCK_M])  # [BLOCK_K, BLOCK_M]
+            b = Ed.load([k0, tl.program_id(1) * BLOCK_DO])  # [BLOCK_K, BLOCK_DO]
+        else:
+            rows = k0 + offs_k
+            rm = rows < n_valid
+            erow = tl.load(Erow + rows, mask=rm, other=0).to(tl.int64)
+            a = tl.load(
+                DZ + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :],
+                mask=rm[:, None] & cmask[None, :], other=0.0,
+            )  # fmt: skip  # [BLOCK_K, BLOCK_M]
+            b = tl.load(
+                E + erow[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
+            )  # [BLOCK_K, BLOCK_DO]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     if SCALE_DZ:
         acc *= tl.load(Scale)
@@ -240,12 +302,14 @@ def run_dense_slabs(
     cfg = config(e2d.dtype, "fwd")
     BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
     n_vtiles = triton.cdiv(V, BV)
-    BM, BDO, BK, warps, stages = dense_config()
+    tma = use_tma(e2d, c)
+    BM, BDO, BK, warps, stages = dense_config(tma)
     BR = 16 if interpreting() else 32
     if BV % BM:
         raise ValueError(f"the dC tiles ({BM} classes) must divide the vocabulary tiles ({BV})")
     width_max = tiles_per_slab * BV
-    DZ = torch.zeros((N, width_max), dtype=e2d.dtype, device=e2d.device)
+    dev = e2d.device
+    DZ = torch.zeros((N, width_max), dtype=e2d.dtype, device=dev)
     scale = inv = None
     if e2d.dtype == torch.float16:
         scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
@@ -255,31 +319,53 @@ def run_dense_slabs(
         if targets_by_tile is None:
             raise ValueError("dC needs targets_by_tile")
         seg, trow, tpos, tcoef = targets_by_tile
-    with device_context(e2d.device):
+    none4 = (None,) * 4
+    if tma:
+        # Hopper: every operand by tensor descriptors, the sorted rows and each slab's classes
+        # gathered once (the slab's copy happens whether or not the slab is dense).
+        TD = tensor_descriptor()
+        E_s = e2d.index_select(0, erow)
+        C_slab = torch.empty((width_max, D), dtype=c.dtype, device=dev)
+        e_dz = TD.from_tensor(E_s, [BN, cfg.BLOCK_D])
+        e_dc = TD.from_tensor(E_s, [BK, BDO])
+        dz_de = TD.from_tensor(DZ, [BM, BK])
+        dz_dc = TD.from_tensor(DZ, [BK, BM])
+    with device_context(dev):
         for s, t0 in enumerate(range(0, n_vtiles, tiles_per_slab)):
             nt = min(tiles_per_slab, n_vtiles - t0)
             v0 = t0 * BV
             width = min(V, (t0 + nt) * BV) - v0
-            _slab_dz_kernel[(triton.cdiv(N, BN), nt)](
-                E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse,
-                Alpha=alpha, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
-                stride_c=c.stride(0), stride_dz=DZ.stride(0), slab=s, tile0=t0, softcap=float(softcap),
-                HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )  # fmt: skip
+            if tma:
+                cs = torch.index_select(c, 0, perm[v0 : v0 + width], out=C_slab[:width])
+                c_dz, c_de = TD.from_tensor(cs, [BV, cfg.BLOCK_D]), TD.from_tensor(cs, [BK, BDO])
+                _slab_dz_tma_kernel[(triton.cdiv(N, BN), nt)](
+                    Ed=e_dz, Cd=c_dz, Bias=bias, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
+                    Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_dz=DZ.stride(0), slab=s, v0=v0,
+                    softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV,
+                    BLOCK_D=cfg.BLOCK_D, PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )  # fmt: skip
+                de_d, dc_d = (dz_de, c_de), (dz_dc, e_dc)
+            else:
+                _slab_dz_kernel[(triton.cdiv(N, BN), nt)](
+                    E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse,
+                    Alpha=alpha, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
+                    stride_c=c.stride(0), stride_dz=DZ.stride(0), slab=s, tile0=t0, softcap=float(softcap),
+                    HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                )  # fmt: skip
+                de_d = dc_d = none4[:2]
             if de_acc is not None:
                 _slab_de_kernel[(triton.cdiv(N, BM), triton.cdiv(D, BDO))](
-                    DZ=DZ, C=c, Perm=perm, NValid=n_valid, Dense=dense, DEAcc=de_acc, Scale=scale, V=V,
-                    D=D, stride_dz=DZ.stride(0), stride_c=c.stride(0), stride_de=de_acc.stride(0), slab=s,
-                    v0=v0, width=width, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, PRECISION=prec,
-                    num_warps=warps, num_stages=stages,
+                    DZ=DZ, C=c, Perm=perm, NValid=n_valid, Dense=dense, DEAcc=de_acc, Scale=scale,
+                    DZd=de_d[0], Cd=de_d[1], V=V, D=D, stride_dz=DZ.stride(0), stride_c=c.stride(0),
+                    stride_de=de_acc.stride(0), slab=s, v0=v0, width=width, USE_TMA=tma, BLOCK_M=BM,
+                    BLOCK_DO=BDO, BLOCK_K=BK, PRECISION=prec, num_warps=warps, num_stages=stages,
                 )  # fmt: skip
             if dC is not None:
                 _slab_dc_kernel[(triton.cdiv(width, BM), triton.cdiv(D, BDO))](
                     DZ=DZ, E=e2d, Erow=erow, Perm=perm, NValid=n_valid, Dense=dense, dC=dC, Scale=scale,
-                    Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, W=weight, GE=ge, V=V, D=D,
-                    stride_dz=DZ.stride(0),
-                    stride_e=e2d.stride(0), stride_dc=dC.stride(0), slab=s, v0=v0, width=width,
-                    BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV, BLOCK_R=BR, PRECISION=prec,
-                    num_warps=warps, num_stages=stages,
+                    DZd=dc_d[0], Ed=dc_d[1], Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, W=weight, GE=ge,
+                    V=V, D=D, stride_dz=DZ.stride(0), stride_e=e2d.stride(0), stride_dc=dC.stride(0),
+                    slab=s, v0=v0, width=width, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK,
+                    BLOCK_V=BV, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages,
                 )  # fmt: skip
