@@ -88,6 +88,18 @@ def _cce_recompute():
     return make
 
 
+def _cce_dense():
+    """cce with the sparse backward's dense slabs on (Tuning(dense_slabs=True), experimental)."""
+
+    def make():
+        import cce
+
+        opts = cce.CCEOptions(tuning=cce.Tuning(dense_slabs=True))
+        return lambda e, c, t: cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
+
+    return make
+
+
 def _torch_linear(e, c, t):
     return F.cross_entropy((e @ c.T).float(), t)
 
@@ -209,6 +221,8 @@ def all_providers() -> list[Provider]:
         P("cce", LINEAR, _cce(), "cce.linear_cross_entropy (defaults: filter_eps='auto')"),
         P("cce-exact", LINEAR, _cce(filter_eps=None), "cce, filter_eps=None (no gradient filtering)"),
         P("cce-recompute", LINEAR, _cce_recompute(), "cce, filtered backward that recomputes every tile",
+          needs_cuda=True, modes=(FWDBWD,)),
+        P("cce-dense", LINEAR, _cce_dense(), "cce, Tuning(dense_slabs=True)",
           needs_cuda=True, modes=(FWDBWD,)),
         P("cce-torch", LINEAR, _cce(impl="torch"), "cce, impl='torch' (chunked PyTorch)"),
         P("torch", LINEAR, lambda: _torch_linear, "F.cross_entropy((e @ c.T).float(), t), eager"),

@@ -67,13 +67,15 @@ class Tuning:
         dc_scratch_tiles: kept-tile dZ scratch slots of the sparse dC writer (None: two per
             token block).
         stash_move_bytes: bytes of the temporary that moves dE rows into e's order.
-        dense_kept: the sparse backward does a vocabulary slab densely (GEMM-shaped kernels, on
-            the device's decision) where the tile filter keeps at least this share of its
+        dense_slabs: whether the sparse backward does some vocabulary slabs densely
+            (GEMM-shaped kernels, chosen on the device by the two rules below; experimental,
+            off by default: docs/benchmarks.md, "Dense slabs", has what it costs today).
+        dense_kept: a slab is dense where the tile filter keeps at least this share of its
             (token block, tile) pairs; above 1: never for this reason.
-        skip_mass: ... and where the slabs from it to the end of the sorted vocabulary would
+        skip_mass: ... or where the slabs from it to the end of the sorted vocabulary would
             leave more than this share of the rows' non-target probability to the rank-1
             corrections (docs/design.md, the error bound); above 1: never for this reason.
-        dense_slab_bytes: bytes of the dZ slab of the sparse backward's dense slabs.
+        dense_slab_bytes: bytes of the dZ slab of the dense slabs.
     """
 
     backward: Backward = "auto"
@@ -83,6 +85,7 @@ class Tuning:
     de_block_slots: int = 2
     dc_scratch_tiles: int | None = None
     stash_move_bytes: int = 8 << 20
+    dense_slabs: bool = False
     dense_kept: float = 0.25
     skip_mass: float = 0.1
     dense_slab_bytes: int = 64 << 20
@@ -96,6 +99,8 @@ class Tuning:
         _check_positive_int("stash_move_bytes", self.stash_move_bytes)
         _check_positive_int("dc_scratch_tiles", self.dc_scratch_tiles, allow_none=True)
         _check_positive_int("dense_slab_bytes", self.dense_slab_bytes)
+        if not isinstance(self.dense_slabs, bool):
+            raise ValueError(f"dense_slabs must be a bool, got {self.dense_slabs!r}")
         for name in ("dense_kept", "skip_mass"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:

@@ -120,7 +120,8 @@ def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *, de_block_slots: int = 2,
     dc_scratch_tiles: int | None = None, move_bytes: int = 8 << 20, return_plan: bool = False,
-    dense_kept: float = 2.0, skip_mass: float = 2.0, dense_slab_bytes: int = 64 << 20,
+    dense_slabs: bool = False, dense_kept: float = 0.25, skip_mass: float = 0.1,
+    dense_slab_bytes: int = 64 << 20,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
 
@@ -134,10 +135,11 @@ def sparse_backward(
     alpha p_t - beta is added exactly. Smoothing (never with softcap here) is the exact rank-1
     term.
 
-    Dense slabs (dense_slab_flags: slabs of whole tiles of about ``dense_slab_bytes`` of dZ where
-    at least ``dense_kept`` of the (block, tile) pairs are kept, or behind which more than
-    ``skip_mass`` of the non-target probability would be skipped) leave the plan and are done
-    exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values above 1 turn a rule off.
+    With ``dense_slabs``, dense slabs (dense_slab_flags: slabs of whole tiles of about
+    ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs are kept,
+    or behind which more than ``skip_mass`` of the non-target probability would be skipped)
+    leave the plan and are done exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values
+    above 1 turn a rule off.
     """
     V, D = c.shape
     dev = e2d.device
@@ -174,7 +176,7 @@ def sparse_backward(
     keep = keep.bool()
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
     dense = None
-    if N > 0 and nt > 0 and (dense_kept <= 1 or skip_mass <= 1):
+    if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or skip_mass <= 1):
         dense = dense_slab_flags(code, keep, alpha_s, r.n_valid, BN, tps, dense_kept, skip_mass)
         # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
         # and _dc_inputs mask them; the forward's codes are not modified).

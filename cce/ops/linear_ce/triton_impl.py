@@ -51,6 +51,7 @@ class FwdArgs(NamedTuple):
     de_block_slots: int
     dc_scratch_tiles: int | None
     stash_move_bytes: int
+    dense_slabs: bool
     dense_kept: float
     skip_mass: float
     dense_slab_bytes: int
@@ -221,6 +222,7 @@ class SparseBwdArgs(NamedTuple):
     de_block_slots: int
     dc_scratch_tiles: int | None
     stash_move_bytes: int
+    dense_slabs: bool
     dense_kept: float
     skip_mass: float
     dense_slab_bytes: int
@@ -242,7 +244,8 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         e2d_k, c_k, bias, weight, a.rows, a.targets, a.lse, a.g, a.h, a.ignore_index, a.softcap,
         a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.code, a.keep, a.zt, a.vperm,
         a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
-        dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_kept=a.dense_kept,
+        dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
+        dense_kept=a.dense_kept,
         skip_mass=a.skip_mass, dense_slab_bytes=a.dense_slab_bytes,
     )  # fmt: skip
     return (
@@ -293,7 +296,8 @@ def _backward(ctx, g_loss, g_lse, *_aux):
         dE, dC = linear_ce_triton_bwd_sparse(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
-            a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_kept, a.skip_mass,
+            a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
+            a.skip_mass,
             a.dense_slab_bytes,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
@@ -338,7 +342,8 @@ def linear_ce_triton(
     out = linear_ce_triton_fwd(
         e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
         filter_eps, stats, stats and need_de, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
-        tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_kept,
+        tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
+        tuning.dense_kept,
         tuning.skip_mass, tuning.dense_slab_bytes,
     )  # fmt: skip
     return out[0], out[1]

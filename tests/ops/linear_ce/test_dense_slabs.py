@@ -30,7 +30,7 @@ from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 from cce.ops.linear_ce.triton_backward import dense_slab_flags, loss_coefficients, sparse_backward  # noqa: E402
 from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
 
-OFF = {"dense_kept": 2.0, "skip_mass": 2.0}
+OFF = {"dense_slabs": False}
 
 
 def _fwd(e, c, bias, t, eps, tuning: Tuning, **kw):
@@ -39,7 +39,8 @@ def _fwd(e, c, bias, t, eps, tuning: Tuning, **kw):
     return linear_ce_triton_fwd(
         e, c, bias, None, None, t, -100, opts["reduction"], opts["softcap"], opts["label_smoothing"],
         opts["z_loss"], eps, True, False, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
-        tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_kept,
+        tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
+        tuning.dense_kept,
         tuning.skip_mass, tuning.dense_slab_bytes,
     )  # fmt: skip
 
@@ -71,7 +72,13 @@ def test_flags_follow_the_rule(dense_kept, skip_mass, slab_bytes):
     flags (with ignored rows, a partial last token block and a partial last slab)."""
     e, c, t = zipf_inputs(90, 32, 700, dtype=torch.float32, seed=1)
     t[::6] = -100
-    tu = Tuning(backward="sparse", dense_kept=dense_kept, skip_mass=skip_mass, dense_slab_bytes=slab_bytes)
+    tu = Tuning(
+        backward="sparse",
+        dense_slabs=True,
+        dense_kept=dense_kept,
+        skip_mass=skip_mass,
+        dense_slab_bytes=slab_bytes,
+    )
     eps = 2e-3
     out = _fwd(e, c, None, t, eps, tu)
     code, keep = out[2], out[3]
@@ -116,7 +123,9 @@ def test_all_dense_is_exact(dtype, opts, bias, weight):
     w = (0.5 + torch.rand(500, generator=g)) if weight else None
     if opts.get("shift"):
         e, t = e.reshape(2, 48, -1), t.reshape(2, 48)
-    tu = Tuning(backward="sparse", dense_kept=0.0, dense_slab_bytes=96 * 2 * 64)  # several slabs
+    tu = Tuning(
+        backward="sparse", dense_slabs=True, dense_kept=0.0, dense_slab_bytes=96 * 2 * 64
+    )  # several slabs
     l1, e1, c1 = _grads(e.to(dtype), c.to(dtype), t, None if b is None else b.to(dtype), w, tuning=tu, **opts)
     l0, e0, c0 = _oracle(e.to(dtype), c.to(dtype), t, None if b is None else b.to(dtype), w, **opts)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -133,11 +142,13 @@ def test_mixed_slabs_exact_where_dense():
     e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=7)
     t[::5] = -100
     eps = 2e-3
-    tu = Tuning(backward="sparse", dense_kept=0.2, skip_mass=2.0, dense_slab_bytes=N * 4 * 64)
+    tu = Tuning(
+        backward="sparse", dense_slabs=True, dense_kept=0.2, skip_mass=2.0, dense_slab_bytes=N * 4 * 64
+    )
     out = _fwd(e, c, None, t, eps, tu)
     g = torch.rand(N, generator=torch.Generator().manual_seed(2))
     args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:])
-    kw = {"dense_kept": 0.2, "skip_mass": 2.0, "dense_slab_bytes": N * 4 * 64}
+    kw = {"dense_slabs": True, "dense_kept": 0.2, "skip_mass": 2.0, "dense_slab_bytes": N * 4 * 64}
     r = RowOrder(t, None, -100)
     alpha = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)[0]
     BN, BV = stats_blocks(e.dtype)
@@ -170,6 +181,6 @@ def test_mass_rule_on_near_uniform_rows():
     t = torch.randint(0, V, (N,), generator=g)
     _, e0, c0 = _oracle(e, c, t)
     _, e_off, c_off = _grads(e, c, t, eps=2.0**-8, tuning=Tuning(backward="sparse", **OFF))
-    _, e_on, c_on = _grads(e, c, t, eps=2.0**-8, tuning=Tuning(backward="sparse"))
+    _, e_on, c_on = _grads(e, c, t, eps=2.0**-8, tuning=Tuning(backward="sparse", dense_slabs=True))
     assert rel_err(e_off, e0) > 1e-2  # the corrections alone
     assert rel_err(e_on, e0) < 1e-5 and rel_err(c_on, c0) < 1e-5
