@@ -257,7 +257,7 @@ def dense_slab_flags(
     kept = torch.nn.functional.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
     blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
     tiles = torch.full((n_slabs,), float(tiles_per_slab), device=dev)
-    tiles[-1] = tiles_per_slab - pad
+    tiles.narrow(0, n_slabs - 1, 1).fill_(float(tiles_per_slab - pad))  # a fill: capturable
     frac = kept / (blocks * tiles)
     return ((frac >= dense_kept) | (behind > skip_mass)).to(torch.int8)
 
