@@ -14,8 +14,7 @@ from ... import _math
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
-from .kernels.common import inverse_permutation, stats_blocks
-from .kernels.dense_slabs import slab_tiles
+from .kernels.common import inverse_permutation, slab_tiles, stats_blocks
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
@@ -175,12 +174,13 @@ def sparse_backward(
     coef = torch.where(valid_s, coef, 0.0)
     keep = keep.bool()
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
-    dense = None
+    dense = live = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or skip_mass <= 1):
         dense = dense_slab_flags(code, keep, alpha_s, r.n_valid, BN, tps, dense_kept, skip_mass)
         # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
         # and _dc_inputs mask them; the forward's codes are not modified).
-        keep &= ~dense.bool().repeat_interleave(tps)[:nt][None, :]
+        live = (dense == 0).repeat_interleave(tps)[:nt]
+        keep &= live[None, :]
     gamma_s = srt(gamma.float()) if smooth else None
     w = None
     if smooth:
@@ -192,7 +192,6 @@ def sparse_backward(
         if smooth:
             wc = weighted_rows(w, c)
     if need_dc:
-        live = None if dense is None else (dense == 0).repeat_interleave(tps)[:nt]
         dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live)
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
@@ -256,8 +255,7 @@ def dense_slab_flags(
     behind = per_slab.flip(0).cumsum(0).flip(0) / w.sum().clamp(min=1e-30)
     kept = torch.nn.functional.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
     blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
-    tiles = torch.full((n_slabs,), float(tiles_per_slab), device=dev)
-    tiles.narrow(0, n_slabs - 1, 1).fill_(float(tiles_per_slab - pad))  # a fill: capturable
+    tiles = torch.nn.functional.pad(torch.ones(nt, device=dev), (0, pad)).view(n_slabs, -1).sum(1)
     frac = kept / (blocks * tiles)
     return ((frac >= dense_kept) | (behind > skip_mass)).to(torch.int8)
 

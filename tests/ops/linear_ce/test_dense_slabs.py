@@ -23,8 +23,7 @@ from tests.helpers import rel_err
 
 triton = pytest.importorskip("triton")
 
-from cce.ops.linear_ce.kernels.common import stats_blocks  # noqa: E402
-from cce.ops.linear_ce.kernels.dense_slabs import slab_tiles  # noqa: E402
+from cce.ops.linear_ce.kernels.common import slab_tiles, stats_blocks  # noqa: E402
 from cce.ops.linear_ce.kernels.tile_stats import decode_tile_mass  # noqa: E402
 from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 from cce.ops.linear_ce.triton_backward import dense_slab_flags, loss_coefficients, sparse_backward  # noqa: E402

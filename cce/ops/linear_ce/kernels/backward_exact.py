@@ -30,6 +30,7 @@ from .common import (
     device_context,
     logit_tile,
     precision,
+    slab_tiles,
     target_logits,
     tensor_descriptor,
     tma_rows_ok,
@@ -279,13 +280,13 @@ def linear_ce_backward_exact(
     n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
     f32 = torch.float32
     esz = e2d.element_size()
-    slab_tiles = max(1, min(n_vtiles, slab_bytes // max(1, N * esz * cfg.BLOCK_V)))
+    n_slab = slab_tiles(N, n_vtiles, cfg.BLOCK_V, esz, slab_bytes)
     if tma:
         max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * num_sms(dev), n_blocks))
-        if max_splits <= slab_tiles < n_vtiles:
+        if max_splits <= n_slab < n_vtiles:
             # A whole number of tiles per split (the splits are the grid's waves of equal programs).
-            slab_tiles = min(n_vtiles, round(slab_tiles / max_splits) * max_splits)
-    slab = slab_tiles * cfg.BLOCK_V
+            n_slab = min(n_vtiles, round(n_slab / max_splits) * max_splits)
+    slab = n_slab * cfg.BLOCK_V
     dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
     # Every slab writes all of its rows of dC (no memset of V x D) unless there are no rows at all.
     dC = (torch.empty if N > 0 else torch.zeros)((V, D), dtype=c.dtype, device=dev) if need_dc else None
@@ -316,8 +317,8 @@ def linear_ce_backward_exact(
         BLOCK_D=cfg.BLOCK_D, PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
-    for t0 in range(0, n_vtiles, slab_tiles):
-        nt = min(slab_tiles, n_vtiles - t0)
+    for t0 in range(0, n_vtiles, n_slab):
+        nt = min(n_slab, n_vtiles - t0)
         v0, v1 = t0 * cfg.BLOCK_V, min(V, (t0 + nt) * cfg.BLOCK_V)
         with ctx:
             if tma:

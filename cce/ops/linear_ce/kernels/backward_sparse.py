@@ -21,7 +21,17 @@ import triton.language as tl
 
 from ...._dispatch import interpreting
 from ... import jit_math as jm
-from .common import check_inputs, config, device_context, logit_tile, precision, stats_blocks, tile_cols
+from .common import (
+    add_dc_targets,
+    check_inputs,
+    config,
+    device_context,
+    logit_tile,
+    precision,
+    stats_blocks,
+    sub_dc_smoothing,
+    tile_cols,
+)
 from .dense_slabs import run_dense_slabs
 from .stash import de_rounds, shares_memory, stash_layout, to_e_rows
 from .tile_stats import STATS_STEPS, tile_means
@@ -317,29 +327,11 @@ def _sparse_dc_kernel(
     q = tl.load(Q + offs_p, mask=col_mask, other=0.0)
     g = tl.load(G + pid_v.to(tl.int64) * stride_g + offs_do, mask=dmask, other=0.0)
     acc += q[:, None] * g[None, :]
-    # Target entries: the rows whose target lies in this tile, one fp32 one-hot product per
-    # BLOCK_R of them (fp32 operands: the coefficient alpha p_t - beta is a cancellation).
-    seg0 = tl.load(Seg + pid_v)
-    seg1 = tl.load(Seg + pid_v + 1)
-    lanes = tl.arange(0, BLOCK_V)
-    for r0 in range(seg0, seg1, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        rm = offs_r < seg1
-        row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
-        lp = tl.load(TPos + offs_r, mask=rm, other=-1) - pid_v * BLOCK_V
-        cf = tl.load(TCoef + offs_r, mask=rm, other=0.0)
-        x = tl.load(
-            E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
-        ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
-        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [BLOCK_V, BLOCK_R]
-        acc = tl.dot(onehot, x, acc, input_precision="ieee")
+    acc = add_dc_targets(
+        acc, Seg, TRow, TPos, TCoef, E, pid_v, pid_v * BLOCK_V, offs_do, dmask, stride_e, BLOCK_V, BLOCK_R
+    )  # fmt: skip
     if HAS_SMOOTH:
-        if HAS_WEIGHT:
-            w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
-        else:
-            w = tl.where(col_mask, 1.0, 0.0)
-        ge = tl.load(GE + offs_do, mask=dmask, other=0.0)
-        acc -= w[:, None] * ge[None, :]
+        acc = sub_dc_smoothing(acc, W, GE, vid, col_mask, offs_do, dmask, HAS_WEIGHT)
     tl.store(
         dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
         mask=col_mask[:, None] & dmask[None, :],

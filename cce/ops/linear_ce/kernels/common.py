@@ -51,6 +51,11 @@ def config(dtype: torch.dtype, kind: str) -> KernelConfig:
     return KernelConfig(128, 128, 64, 8, 4)
 
 
+def slab_tiles(N: int, n_vtiles: int, BLOCK_V: int, elem_bytes: int, slab_bytes: int) -> int:
+    """Vocabulary tiles per dZ slab of N rows: as many as ``slab_bytes`` hold (at least one)."""
+    return max(1, min(n_vtiles, slab_bytes // max(1, N * elem_bytes * BLOCK_V)))
+
+
 def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_V) of the forward's tiles for ``dtype``: the tiles of the tile statistics."""
     cfg = config(torch.float32 if dtype == torch.float64 else dtype, "fwd")
@@ -155,6 +160,44 @@ def tile_cols(Perm, j, V, BLOCK_V: tl.constexpr):
     col_mask = offs_p < V
     vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
     return offs_p, col_mask, vid
+
+
+@triton.jit
+def add_dc_targets(
+    acc, Seg, TRow, TPos, TCoef, E, j, p0, offs_do, dmask, stride_e,
+    LANES: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """acc [LANES, BLOCK_DO] (dC rows of sorted positions p0 + lane, all in tile j) plus, for each
+    valid row i whose target lies there, coef_i e_i: the rows ordered by their target's tile
+    (Seg, TRow, TPos, TCoef of backward_sparse.SparsePlan), one fp32 one-hot product per BLOCK_R
+    of them (fp32 operands: the coefficient alpha p_t - beta is a cancellation)."""
+    seg0 = tl.load(Seg + j)
+    seg1 = tl.load(Seg + j + 1)
+    lanes = tl.arange(0, LANES)
+    for r0 in range(seg0, seg1, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        rm = offs_r < seg1
+        row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
+        lp = tl.load(TPos + offs_r, mask=rm, other=-1) - p0
+        cf = tl.load(TCoef + offs_r, mask=rm, other=0.0)
+        x = tl.load(
+            E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
+        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [LANES, BLOCK_R]
+        acc = tl.dot(onehot, x, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def sub_dc_smoothing(acc, W, GE, vid, col_mask, offs_do, dmask, HAS_WEIGHT: tl.constexpr):
+    """acc (dC rows of classes vid) minus the smoothing term w_v sum_i gamma_i e_i (GE, fp32 [D];
+    W: class weights, or None for 1)."""
+    if HAS_WEIGHT:
+        w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(col_mask, 1.0, 0.0)
+    ge = tl.load(GE + offs_do, mask=dmask, other=0.0)
+    return acc - w[:, None] * ge[None, :]
 
 
 # ---------------------------------------------------------------------------------------------

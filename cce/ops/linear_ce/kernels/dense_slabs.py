@@ -31,7 +31,17 @@ import triton.language as tl
 
 from ...._dispatch import interpreting
 from ... import jit_math as jm
-from .common import config, device_context, logit_tile, precision, tensor_descriptor, tile_cols, use_tma
+from .common import (
+    add_dc_targets,
+    config,
+    device_context,
+    logit_tile,
+    precision,
+    sub_dc_smoothing,
+    tensor_descriptor,
+    tile_cols,
+    use_tma,
+)
 
 
 def dense_config(tma: bool = False) -> tuple[int, int, int, int, int]:
@@ -42,6 +52,32 @@ def dense_config(tma: bool = False) -> tuple[int, int, int, int, int]:
     if tma:
         return 128, 128, 64, 4, 4
     return 128, 128, 64, 4, 4
+
+
+@triton.jit
+def _store_slab_dz(
+    L, Bias, Tgt, Lse, Alpha, Inv, DZ, offs_n, row_mask, vid, col_mask, col0, N, stride_dz, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The dZ tile of logits L [BLOCK_N, BLOCK_V] (classes vid) into slab columns col0 + lane:
+    alpha p softcap' at the non-target entries, 0 elsewhere (rows past n_valid, classes past V,
+    the targets), times inv with SCALE_DZ; rows past N are not stored."""
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
+    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
+    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
+    if HAS_BIAS:
+        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        L, th = jm.softcap(L, softcap)
+    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
+    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    if SCALE_DZ:
+        dz *= tl.load(Inv)
+    cols = col0 + tl.arange(0, BLOCK_V)
+    ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + cols[None, :]
+    tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
 
 
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "SCALE_DZ": lambda a: a["Inv"] is not None})
@@ -69,26 +105,14 @@ def _slab_dz_kernel(
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
     erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
-    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
-    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
-    offs_p, col_mask, vid = tile_cols(Perm, tile0 + s, V, BLOCK_V)
+    _offs_p, col_mask, vid = tile_cols(Perm, tile0 + s, V, BLOCK_V)
     L = logit_tile(
         E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
     )  # [BLOCK_N, BLOCK_V]
-    if HAS_BIAS:
-        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        L, th = jm.softcap(L, softcap)
-    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
-    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
-    if HAS_SOFTCAP:
-        dz *= 1.0 - th * th
-    if SCALE_DZ:
-        dz *= tl.load(Inv)
-    cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
-    ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + cols[None, :]
-    tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
+    _store_slab_dz(
+        L, Bias, Tgt, Lse, Alpha, Inv, DZ, offs_n, row_mask, vid, col_mask, s * BLOCK_V, N, stride_dz,
+        softcap, HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_V,
+    )  # fmt: skip
 
 
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "SCALE_DZ": lambda a: a["Inv"] is not None})
@@ -116,26 +140,11 @@ def _slab_dz_tma_kernel(
         b = Cd.load([s * BLOCK_V, d0])  # [BLOCK_V, BLOCK_D]; zeros past the slab
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
     offs_n = start + tl.arange(0, BLOCK_N)
-    row_mask = offs_n < n_valid
-    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
-    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
-    cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = v0 + cols < V
-    vid = tl.load(Perm + v0 + cols, mask=col_mask, other=0).to(tl.int64)
-    L = acc
-    if HAS_BIAS:
-        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        L, th = jm.softcap(L, softcap)
-    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
-    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
-    if HAS_SOFTCAP:
-        dz *= 1.0 - th * th
-    if SCALE_DZ:
-        dz *= tl.load(Inv)
-    ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + cols[None, :]
-    tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
+    _offs_p, col_mask, vid = tile_cols(Perm + v0, s, V - v0, BLOCK_V)
+    _store_slab_dz(
+        acc, Bias, Tgt, Lse, Alpha, Inv, DZ, offs_n, offs_n < n_valid, vid, col_mask, s * BLOCK_V, N,
+        stride_dz, softcap, HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_V,
+    )  # fmt: skip
 
 
 @triton.heuristics({"SCALE_DZ": lambda a: a["Scale"] is not None})
@@ -235,38 +244,16 @@ def _slab_dc_kernel(
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     if SCALE_DZ:
         acc *= tl.load(Scale)
-    # The target entries (left out of the slab), one fp32 one-hot product per BLOCK_R rows, as
-    # in backward_sparse._sparse_dc_kernel.
+    # The target entries (left out of the slab), as in backward_sparse._sparse_dc_kernel.
     p0 = v0 + tl.program_id(0) * BLOCK_M
-    j = p0 // BLOCK_V
-    seg0 = tl.load(Seg + j)
-    seg1 = tl.load(Seg + j + 1)
-    lanes = tl.arange(0, BLOCK_M)
-    for r0 in range(seg0, seg1, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        rm = offs_r < seg1
-        row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
-        lp = tl.load(TPos + offs_r, mask=rm, other=-1) - p0
-        cf = tl.load(TCoef + offs_r, mask=rm, other=0.0)
-        x = tl.load(
-            E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
-        ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
-        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [BLOCK_M, BLOCK_R]
-        acc = tl.dot(onehot, x, acc, input_precision="ieee")
+    acc = add_dc_targets(
+        acc, Seg, TRow, TPos, TCoef, E, p0 // BLOCK_V, p0, offs_do, dmask, stride_e, BLOCK_M, BLOCK_R
+    )  # fmt: skip
     vid = tl.load(Perm + v0 + cols, mask=cmask, other=0).to(tl.int64)
     if HAS_SMOOTH:
-        if HAS_WEIGHT:
-            w = tl.load(W + vid, mask=cmask, other=0.0).to(tl.float32)
-        else:
-            w = tl.where(cmask, 1.0, 0.0)
-        acc -= w[:, None] * tl.load(GE + offs_do, mask=dmask, other=0.0)[None, :]
+        acc = sub_dc_smoothing(acc, W, GE, vid, cmask, offs_do, dmask, HAS_WEIGHT)
     out = dC + vid[:, None] * stride_dc + offs_do[None, :]
     tl.store(out, acc.to(dC.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
-
-
-def slab_tiles(N: int, n_vtiles: int, BLOCK_V: int, elem_bytes: int, slab_bytes: int) -> int:
-    """Vocabulary tiles per dense slab: as many as ``slab_bytes`` of dZ hold (at least one)."""
-    return max(1, min(n_vtiles, slab_bytes // max(1, N * elem_bytes * BLOCK_V)))
 
 
 def run_dense_slabs(
@@ -319,7 +306,6 @@ def run_dense_slabs(
         if targets_by_tile is None:
             raise ValueError("dC needs targets_by_tile")
         seg, trow, tpos, tcoef = targets_by_tile
-    none4 = (None,) * 4
     if tma:
         # Hopper: every operand by tensor descriptors, the sorted rows and each slab's classes
         # gathered once (the slab's copy happens whether or not the slab is dense).
@@ -353,7 +339,7 @@ def run_dense_slabs(
                     HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
-                de_d = dc_d = none4[:2]
+                de_d = dc_d = (None, None)
             if de_acc is not None:
                 _slab_de_kernel[(triton.cdiv(N, BM), triton.cdiv(D, BDO))](
                     DZ=DZ, C=c, Perm=perm, NValid=n_valid, Dense=dense, DEAcc=de_acc, Scale=scale,
