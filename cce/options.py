@@ -68,13 +68,13 @@ class Tuning:
             token block).
         stash_move_bytes: bytes of the temporary that moves dE rows into e's order.
         dense_slabs: whether the sparse backward does some vocabulary slabs densely
-            (GEMM-shaped kernels, chosen on the device by the two rules below; experimental,
-            off by default: docs/benchmarks.md, "Dense slabs", has what it costs today).
+            (GEMM-shaped kernels, chosen on the device by the two rules below;
+            docs/design.md, "Dense slabs").
         dense_kept: a slab is dense where the tile filter keeps at least this share of its
             (token block, tile) pairs; above 1: never for this reason.
-        skip_mass: ... or where the slabs from it to the end of the sorted vocabulary would
-            leave more than this share of the rows' non-target probability to the rank-1
-            corrections (docs/design.md, the error bound); above 1: never for this reason.
+        slab_error: ... and the slabs whose rank-1 corrections err the most, measured on
+            sampled rows, are dense until the corrections' relative error in dE is at most this
+            (cce/ops/linear_ce/slab_choice.py); 1 or more: never for this reason.
         dense_slab_bytes: bytes of the dZ slab of the dense slabs.
     """
 
@@ -87,7 +87,7 @@ class Tuning:
     stash_move_bytes: int = 8 << 20
     dense_slabs: bool = False
     dense_kept: float = 0.25
-    skip_mass: float = 0.1
+    slab_error: float = 2.5e-3
     dense_slab_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -101,7 +101,7 @@ class Tuning:
         _check_positive_int("dense_slab_bytes", self.dense_slab_bytes)
         if not isinstance(self.dense_slabs, bool):
             raise ValueError(f"dense_slabs must be a bool, got {self.dense_slabs!r}")
-        for name in ("dense_kept", "skip_mass"):
+        for name in ("dense_kept", "slab_error"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")

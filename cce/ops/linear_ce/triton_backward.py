@@ -18,6 +18,7 @@ from .kernels.common import inverse_permutation, slab_tiles, stats_blocks
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
+from .slab_choice import dense_slab_flags, slab_errors
 
 
 def coefficient_backward(
@@ -119,7 +120,7 @@ def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *, de_block_slots: int = 2,
     dc_scratch_tiles: int | None = None, move_bytes: int = 8 << 20, return_plan: bool = False,
-    dense_slabs: bool = False, dense_kept: float = 0.25, skip_mass: float = 0.1,
+    dense_slabs: bool = False, dense_kept: float = 0.25, slab_error: float = 2.5e-3,
     dense_slab_bytes: int = 64 << 20,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
@@ -134,11 +135,11 @@ def sparse_backward(
     alpha p_t - beta is added exactly. Smoothing (never with softcap here) is the exact rank-1
     term.
 
-    With ``dense_slabs``, dense slabs (dense_slab_flags: slabs of whole tiles of about
-    ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs are kept,
-    or behind which more than ``skip_mass`` of the non-target probability would be skipped)
-    leave the plan and are done exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values
-    above 1 turn a rule off.
+    With ``dense_slabs``, dense slabs (slab_choice.dense_slab_flags: slabs of whole tiles of
+    about ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs are
+    kept, and those whose rank-1 corrections, measured on sampled rows, would leave more than
+    ``slab_error`` relative error in dE) leave the plan and are done exactly by GEMM-shaped
+    kernels (kernels/dense_slabs.py); values of 1 or more turn a rule off.
     """
     V, D = c.shape
     dev = e2d.device
@@ -175,8 +176,15 @@ def sparse_backward(
     keep = keep.bool()
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
     dense = live = None
-    if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or skip_mass <= 1):
-        dense = dense_slab_flags(code, keep, alpha_s, r.n_valid, BN, tps, dense_kept, skip_mass)
+    if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1):
+        errors = None
+        if slab_error < 1:
+            errors = slab_errors(
+                e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
+                BN, BV, tps * BV,
+            )  # fmt: skip
+        dense = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors)
+        del errors
         # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
         # and _dc_inputs mask them; the forward's codes are not modified).
         live = (dense == 0).repeat_interleave(tps)[:nt]
@@ -219,45 +227,6 @@ def sparse_backward(
     if return_plan:
         return dE, dC, plan
     return dE, dC
-
-
-def dense_slab_flags(
-    code: torch.Tensor,
-    keep: torch.Tensor,
-    alpha_s: torch.Tensor,
-    n_valid: torch.Tensor,
-    BLOCK_N: int,
-    tiles_per_slab: int,
-    dense_kept: float,
-    skip_mass: float,
-) -> torch.Tensor:
-    """int8 [n_slabs] on the device, 1 for the slabs of ``tiles_per_slab`` vocabulary tiles (in
-    the sorted order) that the sparse backward does densely; no host synchronisation.
-
-    A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
-    tile) pairs (recomputing kept tiles one by one costs more than a GEMM there), or where the
-    slabs from it to the end of the vocabulary hold more than ``skip_mass`` of the skipped
-    non-target probability, M_s = sum over rows of |alpha_i| sum_{j in slabs >= s} S_ij, over
-    sum_i |alpha_i|. The second rule makes a prefix of the sorted vocabulary dense until what
-    the rank-1 corrections replace is at most ``skip_mass`` of each row's mass on average
-    (docs/design.md: their error is that mass times the spread of the skipped classes).
-    """
-    N, nt = code.shape
-    dev = code.device
-    w = alpha_s.abs()
-    mass = torch.zeros(nt, dtype=torch.float32, device=dev)
-    for s in range(0, N, _SPARSE_ROWS):
-        t = min(s + _SPARSE_ROWS, N)
-        mass += w[s:t] @ decode_tile_mass(code[s:t])
-    n_slabs = -(-nt // tiles_per_slab)
-    pad = n_slabs * tiles_per_slab - nt
-    per_slab = torch.nn.functional.pad(mass, (0, pad)).view(n_slabs, tiles_per_slab).sum(1)
-    behind = per_slab.flip(0).cumsum(0).flip(0) / w.sum().clamp(min=1e-30)
-    kept = torch.nn.functional.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
-    blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
-    tiles = torch.nn.functional.pad(torch.ones(nt, device=dev), (0, pad)).view(n_slabs, -1).sum(1)
-    frac = kept / (blocks * tiles)
-    return ((frac >= dense_kept) | (behind > skip_mass)).to(torch.int8)
 
 
 def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None):

@@ -53,7 +53,7 @@ class FwdArgs(NamedTuple):
     stash_move_bytes: int
     dense_slabs: bool
     dense_kept: float
-    skip_mass: float
+    slab_error: float
     dense_slab_bytes: int
 
 
@@ -224,7 +224,7 @@ class SparseBwdArgs(NamedTuple):
     stash_move_bytes: int
     dense_slabs: bool
     dense_kept: float
-    skip_mass: float
+    slab_error: float
     dense_slab_bytes: int
 
 
@@ -246,7 +246,7 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept,
-        skip_mass=a.skip_mass, dense_slab_bytes=a.dense_slab_bytes,
+        slab_error=a.slab_error, dense_slab_bytes=a.dense_slab_bytes,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -297,7 +297,7 @@ def _backward(ctx, g_loss, g_lse, *_aux):
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
-            a.skip_mass,
+            a.slab_error,
             a.dense_slab_bytes,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
@@ -344,7 +344,7 @@ def linear_ce_triton(
         filter_eps, stats, stats and need_de, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
         tuning.dense_kept,
-        tuning.skip_mass, tuning.dense_slab_bytes,
+        tuning.slab_error, tuning.dense_slab_bytes,
     )  # fmt: skip
     return out[0], out[1]
 

@@ -2,13 +2,14 @@
 under the Triton interpreter on CPU (or on a GPU).
 
 The device marks a slab of the sorted vocabulary dense where the tile filter keeps at least
-Tuning.dense_kept of its (block, tile) pairs, or where the slabs from it to the end hold more
-than Tuning.skip_mass of the rows' skipped non-target mass; a dense slab's tiles leave the sparse
-plan and are done exactly. The tests: the flags against a float64 recomputation of the rule;
-all slabs dense gives the exact gradients for every option; a mix of dense and sparse slabs is
-exact on the dense slabs' classes and no worse than the sparse backward elsewhere; on
-near-uniform rows (the start of training) the mass rule makes everything dense and the error
-falls from the rank-1 corrections' to rounding.
+Tuning.dense_kept of its (block, tile) pairs, and the slabs whose rank-1 corrections err the
+most on sampled rows until the rest err by at most Tuning.slab_error (slab_choice.py); a dense
+slab's tiles leave the sparse plan and are done exactly. The tests: the sampled errors and the
+flags against float64 recomputations; the error rule meets its target when every row is
+sampled; all slabs dense gives the exact gradients for every option; a mix of dense and sparse
+slabs is exact on the dense slabs' classes and no worse than the sparse backward elsewhere; on
+near-uniform rows (the start of training) the error falls from the rank-1 corrections' to the
+target.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ triton = pytest.importorskip("triton")
 from cce.ops.linear_ce.kernels.common import slab_tiles, stats_blocks  # noqa: E402
 from cce.ops.linear_ce.kernels.tile_stats import decode_tile_mass  # noqa: E402
 from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
-from cce.ops.linear_ce.triton_backward import dense_slab_flags, loss_coefficients, sparse_backward  # noqa: E402
+from cce.ops.linear_ce.slab_choice import (  # noqa: E402
+    ERROR_ROWS,
+    dense_slab_flags,
+    sample_positions,
+    slab_errors,
+)
+from cce.ops.linear_ce.triton_backward import loss_coefficients, sparse_backward  # noqa: E402
 from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
 
 OFF = {"dense_slabs": False}
@@ -40,7 +47,7 @@ def _fwd(e, c, bias, t, eps, tuning: Tuning, **kw):
         opts["z_loss"], eps, True, False, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
         tuning.dense_kept,
-        tuning.skip_mass, tuning.dense_slab_bytes,
+        tuning.slab_error, tuning.dense_slab_bytes,
     )  # fmt: skip
 
 
@@ -63,42 +70,123 @@ def _oracle(e, c, t, bias=None, weight=None, *, seed=5, **opts):
     return loss.detach(), ee.grad, cc.grad
 
 
-@pytest.mark.parametrize(
-    "dense_kept,skip_mass,slab_bytes", [(0.3, 0.05, 2048), (2.0, 0.01, 4096), (0.1, 2.0, 1)]
-)
-def test_flags_follow_the_rule(dense_kept, skip_mass, slab_bytes):
-    """dense_slab_flags against the rule recomputed in float64 from the forward's codes and keep
-    flags (with ignored rows, a partial last token block and a partial last slab)."""
-    e, c, t = zipf_inputs(90, 32, 700, dtype=torch.float32, seed=1)
-    t[::6] = -100
-    tu = Tuning(
-        backward="sparse",
-        dense_slabs=True,
-        dense_kept=dense_kept,
-        skip_mass=skip_mass,
-        dense_slab_bytes=slab_bytes,
-    )
-    eps = 2e-3
-    out = _fwd(e, c, None, t, eps, tu)
-    code, keep = out[2], out[3]
+def _setup(N, D, V, *, seed, eps, tuning, bias=None, softcap=0.0, ignore=6):
+    """Forward statistics and the sorted rows' quantities the slab choice reads."""
+    e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=seed)
+    if ignore:
+        t[::ignore] = -100
+    out = _fwd(e, c, bias, t, eps, tuning, softcap=softcap)
     r = RowOrder(t, None, -100)
-    g = torch.rand(90, generator=torch.Generator().manual_seed(0))
-    alpha = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, 700)[0]
-    alpha_s = alpha.index_select(0, r.perm).float()
-    BN, BV = stats_blocks(e.dtype)
-    nt = code.shape[1]
-    tps = slab_tiles(90, nt, BV, 4, slab_bytes)
-    got = dense_slab_flags(code, keep.bool(), alpha_s, r.n_valid, BN, tps, dense_kept, skip_mass)
-    mass = (alpha_s.double().abs()[:, None] * decode_tile_mass(code).double()).sum(0)
-    nvb = -(-int(r.n_valid) // BN)
+    g = torch.rand(N, generator=torch.Generator().manual_seed(seed))
+    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    s = {
+        "e": e, "c": c, "bias": bias, "t": t, "r": r, "code": out[2], "keep": out[3].bool(), "lse": out[1],
+        "vperm": out[5], "alpha_s": srt(alpha.float()), "beta_s": srt(beta.float()), "t_s": srt(r.safe_t),
+        "lse_s": srt(out[1]), "softcap": softcap, "g": g, "out": out,
+    }  # fmt: skip
+    return s
+
+
+def _errors(s, width, rows=ERROR_ROWS):
+    BN, BV = stats_blocks(torch.float32)
+    return slab_errors(
+        s["e"], s["c"], s["bias"], s["r"].erow_s, s["t_s"], s["lse_s"], s["alpha_s"], s["beta_s"], s["code"],
+        s["keep"], s["vperm"], s["r"].n_valid, s["softcap"], BN, BV, width, rows,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("softcap,bias", [(0.0, False), (4.0, True)])
+def test_slab_errors_against_float64(softcap, bias):
+    """slab_errors: each sampled row's corrections error per slab and its exact dZ @ C, against a
+    float64 recomputation from the forward's codes and keep flags (ignored rows, a partial last
+    tile and slab, bias and softcap). fp32 products over at most 700 classes: 1e-5 of |ref|."""
+    N, D, V = 90, 32, 700
+    b = 0.3 * torch.randn(V, generator=torch.Generator().manual_seed(4)) if bias else None
+    s = _setup(N, D, V, seed=1, eps=2e-3, tuning=Tuning(backward="sparse"), bias=b, softcap=softcap)
+    BN, BV = stats_blocks(torch.float32)
+    width = 2 * BV
+    err, ref = _errors(s, width, rows=20)
+    r = s["r"]
+    pos = sample_positions(r.n_valid, N, 20)
+    E = s["e"].double()[r.erow_s[pos]]
+    z = E @ s["c"].double().T
+    if b is not None:
+        z = z + b.double()
+    d = torch.ones_like(z)
+    if softcap:
+        th = torch.tanh(z / softcap)
+        z, d = softcap * th, 1 - th * th
+    ok = (pos < r.n_valid).double()[:, None]
+    a, be = s["alpha_s"].double()[pos, None] * ok, s["beta_s"].double()[pos, None] * ok
+    dz = a * torch.exp(z - s["lse_s"].double()[pos, None]) * d
+    t = s["t_s"][pos]
+    full = dz.clone()
+    full[torch.arange(20), t] -= be[:, 0] * d[torch.arange(20), t]
+    dz[torch.arange(20), t] = 0
+    C = s["c"].double()
+    perm = s["vperm"].long()
+    S = decode_tile_mass(s["code"][pos]).double() * a
+    nt = s["code"].shape[1]
+    want = torch.zeros(err.shape, dtype=torch.float64)
+    for j in range(nt):
+        ids = perm[j * BV : (j + 1) * BV]
+        skip = ~s["keep"][pos // BN, j]
+        contrib = dz[:, ids] @ C[ids] - S[:, j, None] * C[ids].mean(0)[None, :]
+        want[j * BV // width] += contrib * skip[:, None].double()
+    assert (err.double() - want).abs().max() <= 1e-5 * ref.double().norm(dim=1).max()
+    assert rel_err(ref, full @ C) < 1e-5
+    assert want.abs().sum() > 0  # some corrections exist
+
+
+@pytest.mark.parametrize(
+    "dense_kept,slab_error,slab_bytes", [(0.3, 0.05, 2048), (2.0, 0.01, 4096), (0.1, 2.0, 1)]
+)
+def test_flags_follow_the_rule(dense_kept, slab_error, slab_bytes):
+    """dense_slab_flags against the rule recomputed in float64: the kept-share slabs, then the
+    slabs of largest corrections error until the vector sum of the rest is within slab_error of
+    the exact gradient (with ignored rows, a partial last token block and a partial last slab)."""
+    N, V = 90, 700
+    tu = Tuning(backward="sparse", dense_slabs=True, dense_kept=dense_kept, slab_error=slab_error)
+    s = _setup(N, 32, V, seed=1, eps=2e-3, tuning=tu)
+    BN, BV = stats_blocks(torch.float32)
+    nt = s["code"].shape[1]
+    tps = slab_tiles(N, nt, BV, 4, slab_bytes)
+    errors = _errors(s, tps * BV) if slab_error < 1 else None
+    got = dense_slab_flags(s["code"], s["keep"], s["r"].n_valid, BN, tps, dense_kept, slab_error, errors)
+    nvb = -(-int(s["r"].n_valid) // BN)
     want = []
     for s0 in range(0, nt, tps):
         s1 = min(nt, s0 + tps)
-        behind = float(mass[s0:].sum() / alpha_s.double().abs().sum())
-        frac = float(keep[:, s0:s1].double().sum()) / (nvb * (s1 - s0))
-        want.append(int(frac >= dense_kept or behind > skip_mass))
-    assert got.tolist() == want
+        frac = float(s["keep"][:, s0:s1].double().sum()) / (nvb * (s1 - s0))
+        want.append(frac >= dense_kept)
+    if errors is not None:
+        err, ref = (x.double() for x in errors)
+        left = [i for i, w in enumerate(want) if not w]
+        left.sort(key=lambda i: -float(err[i].norm()))
+        while left and float(sum(err[i] for i in left).norm()) > slab_error * float(ref.norm()):
+            want[left.pop(0)] = True
+    assert got.tolist() == [int(w) for w in want]
     assert got.dtype == torch.int8
+
+
+def test_error_rule_meets_its_target_when_every_row_is_sampled():
+    """32 valid rows, all of them sampled: the dense slabs chosen by the error rule leave a dE
+    error (against float64) of at most slab_error plus fp32 rounding (1e-5), on data where the
+    sparse backward alone errs more than three times that."""
+    N, D, V = 32, 32, 2000
+    eps = 2e-2  # coarse: the corrections carry much of the mass
+    e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=11, ignore_every=0)
+    _, e0, _ = _oracle(e, c, t)
+    _, e_off, _ = _grads(e, c, t, eps=eps, tuning=Tuning(backward="sparse", **OFF))
+    off = float(rel_err(e_off, e0))
+    target = off / 3
+    tu = Tuning(
+        backward="sparse", dense_slabs=True, dense_kept=2.0, slab_error=target, dense_slab_bytes=N * 4 * 64
+    )
+    _, e_on, _ = _grads(e, c, t, eps=eps, tuning=tu)
+    assert off > 1e-3
+    assert rel_err(e_on, e0) <= target + 1e-5
 
 
 @pytest.mark.parametrize(
@@ -142,19 +230,16 @@ def test_mixed_slabs_exact_where_dense():
     t[::5] = -100
     eps = 2e-3
     tu = Tuning(
-        backward="sparse", dense_slabs=True, dense_kept=0.2, skip_mass=2.0, dense_slab_bytes=N * 4 * 64
+        backward="sparse", dense_slabs=True, dense_kept=0.2, slab_error=2.0, dense_slab_bytes=N * 4 * 64
     )
     out = _fwd(e, c, None, t, eps, tu)
     g = torch.rand(N, generator=torch.Generator().manual_seed(2))
     args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:])
-    kw = {"dense_slabs": True, "dense_kept": 0.2, "skip_mass": 2.0, "dense_slab_bytes": N * 4 * 64}
+    kw = {"dense_slabs": True, "dense_kept": 0.2, "slab_error": 2.0, "dense_slab_bytes": N * 4 * 64}
     r = RowOrder(t, None, -100)
-    alpha = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)[0]
     BN, BV = stats_blocks(e.dtype)
     tps = slab_tiles(N, out[2].shape[1], BV, 4, kw["dense_slab_bytes"])
-    flags = dense_slab_flags(
-        out[2], out[3].bool(), alpha.index_select(0, r.perm).float(), r.n_valid, BN, tps, 0.2, 2.0
-    )
+    flags = dense_slab_flags(out[2], out[3].bool(), r.n_valid, BN, tps, 0.2, 2.0)
     assert 0 < int(flags.sum()) < flags.numel()  # both kinds
     dE, dC = sparse_backward(*args, **kw)
     dE_s, dC_s = sparse_backward(*args, **OFF)
@@ -168,11 +253,12 @@ def test_mixed_slabs_exact_where_dense():
     assert rel_err(dC, cc.grad) <= rel_err(dC_s, cc.grad) + 1e-6
 
 
-def test_mass_rule_on_near_uniform_rows():
+def test_error_rule_on_near_uniform_rows():
     """Near-uniform rows (random logits of std 0.5, the start of training): every tile is
     skipped by the filter (no probability reaches eps = 2^-8, bf16's default) and the rank-1
     corrections' error is large (their first-order term, of relative size about std / sqrt(D),
-    is missing); the default rules make the slabs dense and the gradients exact."""
+    is missing); the default rules make enough slabs dense that dE and dC meet the issue's 5e-3
+    (the rule's target is 2.5e-3 on 32 of the 64 rows; twice that allows for the sampling)."""
     g = torch.Generator().manual_seed(3)
     N, D, V = 64, 32, 3000
     e = torch.randn(N, D, generator=g) * 0.5**0.5 / D**0.25
@@ -182,4 +268,4 @@ def test_mass_rule_on_near_uniform_rows():
     _, e_off, c_off = _grads(e, c, t, eps=2.0**-8, tuning=Tuning(backward="sparse", **OFF))
     _, e_on, c_on = _grads(e, c, t, eps=2.0**-8, tuning=Tuning(backward="sparse", dense_slabs=True))
     assert rel_err(e_off, e0) > 1e-2  # the corrections alone
-    assert rel_err(e_on, e0) < 1e-5 and rel_err(c_on, c0) < 1e-5
+    assert rel_err(e_on, e0) < 5e-3 and rel_err(c_on, c0) < 5e-3

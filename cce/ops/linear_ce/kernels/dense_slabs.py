@@ -50,7 +50,7 @@ def dense_config(tma: bool = False) -> tuple[int, int, int, int, int]:
     if interpreting():
         return 16, 32, 16, 4, 1
     if tma:
-        return 128, 128, 64, 4, 4
+        return 128, 256, 64, 8, 4
     return 128, 128, 64, 4, 4
 
 
@@ -125,7 +125,8 @@ def _slab_dz_tma_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """_slab_dz_kernel with its operands read by tensor descriptors (Hopper): the slab's classes
-    gathered into C_slab beforehand, the target entries masked by comparing ids."""
+    gathered into C_slab beforehand (_gather_slab_kernel), the target entries masked by comparing
+    ids; columns past V (the last slab) are stored as zeros."""
     if tl.load(Dense + slab) == 0:
         return
     pid_n = tl.program_id(0)
@@ -137,7 +138,7 @@ def _slab_dz_tma_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         a = Ed.load([start, d0])  # [BLOCK_N, BLOCK_D]; zeros past N and D
-        b = Cd.load([s * BLOCK_V, d0])  # [BLOCK_V, BLOCK_D]; zeros past the slab
+        b = Cd.load([s * BLOCK_V, d0])  # [BLOCK_V, BLOCK_D]; stale past V: masked below
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
     offs_n = start + tl.arange(0, BLOCK_N)
     _offs_p, col_mask, vid = tile_cols(Perm + v0, s, V - v0, BLOCK_V)
@@ -158,8 +159,8 @@ def _slab_de_kernel(
 ):  # fmt: skip
     """DEAcc[rows of block m, D chunk] += DZ[rows, :width] @ C[perm[v0 : v0 + width], D chunk],
     if slab ``slab`` is dense; one program owns its output tile (no atomics). USE_TMA: the
-    operands by descriptors, C's rows gathered into C_slab beforehand (rows past width read as
-    zeros, so the slab's stale columns there meet zeros)."""
+    operands by descriptors, C's rows gathered into C_slab beforehand (its rows past width are
+    stale but finite and meet dZ's zero columns there)."""
     if tl.load(Dense + slab) == 0:
         return
     start = tl.program_id(0) * BLOCK_M
@@ -256,6 +257,25 @@ def _slab_dc_kernel(
     tl.store(out, acc.to(dC.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _gather_slab_kernel(
+    C, Perm, Dense, Out, D, stride_c, stride_o, slab, width,
+    BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr,
+):  # fmt: skip
+    """Out[k] = C[Perm[k]] for k < width (Perm: the slab's sorted positions), if slab ``slab`` is
+    dense: the classes the TMA kernels read by descriptor."""
+    if tl.load(Dense + slab) == 0:
+        return
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    km = offs_k < width
+    vid = tl.load(Perm + offs_k, mask=km, other=0).to(tl.int64)
+    for d0 in range(0, D, BLOCK_DO):
+        offs_d = d0 + tl.arange(0, BLOCK_DO)
+        m = km[:, None] & (offs_d < D)[None, :]
+        x = tl.load(C + vid[:, None] * stride_c + offs_d[None, :], mask=m, other=0.0)
+        tl.store(Out + offs_k.to(tl.int64)[:, None] * stride_o + offs_d[None, :], x, mask=m)
+
+
 def run_dense_slabs(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -307,23 +327,29 @@ def run_dense_slabs(
             raise ValueError("dC needs targets_by_tile")
         seg, trow, tpos, tcoef = targets_by_tile
     if tma:
-        # Hopper: every operand by tensor descriptors, the sorted rows and each slab's classes
-        # gathered once (the slab's copy happens whether or not the slab is dense).
+        # Hopper: every operand by tensor descriptors, the sorted rows gathered once and a dense
+        # slab's classes into C_slab (a gated copy). The descriptors span the whole buffers: the
+        # last slab's stale rows of C_slab (finite: zeros or earlier classes) meet the zeros of
+        # dZ's columns past V.
         TD = tensor_descriptor()
         E_s = e2d.index_select(0, erow)
-        C_slab = torch.empty((width_max, D), dtype=c.dtype, device=dev)
+        C_slab = torch.zeros((width_max, D), dtype=c.dtype, device=dev)
         e_dz = TD.from_tensor(E_s, [BN, cfg.BLOCK_D])
         e_dc = TD.from_tensor(E_s, [BK, BDO])
         dz_de = TD.from_tensor(DZ, [BM, BK])
         dz_dc = TD.from_tensor(DZ, [BK, BM])
+        c_dz, c_de = TD.from_tensor(C_slab, [BV, cfg.BLOCK_D]), TD.from_tensor(C_slab, [BK, BDO])
     with device_context(dev):
         for s, t0 in enumerate(range(0, n_vtiles, tiles_per_slab)):
             nt = min(tiles_per_slab, n_vtiles - t0)
             v0 = t0 * BV
             width = min(V, (t0 + nt) * BV) - v0
             if tma:
-                cs = torch.index_select(c, 0, perm[v0 : v0 + width], out=C_slab[:width])
-                c_dz, c_de = TD.from_tensor(cs, [BV, cfg.BLOCK_D]), TD.from_tensor(cs, [BK, BDO])
+                GK = 64
+                _gather_slab_kernel[(triton.cdiv(width, GK),)](
+                    C=c, Perm=perm[v0:], Dense=dense, Out=C_slab, D=D, stride_c=c.stride(0),
+                    stride_o=C_slab.stride(0), slab=s, width=width, BLOCK_K=GK, BLOCK_DO=128, num_warps=4,
+                )  # fmt: skip
                 _slab_dz_tma_kernel[(triton.cdiv(N, BN), nt)](
                     Ed=e_dz, Cd=c_dz, Bias=bias, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
                     Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_dz=DZ.stride(0), slab=s, v0=v0,
@@ -355,3 +381,57 @@ def run_dense_slabs(
                     slab=s, v0=v0, width=width, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK,
                     BLOCK_V=BV, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages,
                 )  # fmt: skip
+
+
+@triton.jit
+def _slab_products_kernel(
+    W,  # [R, >= V] fp32 per-class weights of R rows, in the sorted order (position p)
+    C, Perm,  # [V, D] classifier, [V] class at each sorted position
+    Out,  # [n_slabs, R, D] fp32
+    R, V, D, stride_w, stride_c, width,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Out[s, r, D chunk] = sum over the positions p of slab s ([s width, (s + 1) width) of the
+    sorted vocabulary) of W[r, p] C[perm[p], D chunk]: a few rows' weighted class sums per slab
+    (slab_choice.slab_errors), C read once."""
+    s = tl.program_id(0)
+    offs_r = tl.arange(0, BLOCK_R)
+    rmask = offs_r < R
+    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    dmask = offs_do < D
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_R, BLOCK_DO), dtype=tl.float32)
+    p0 = s * width
+    for k0 in range(0, width, BLOCK_K):
+        p = p0 + k0 + offs_k
+        pm = (p < V) & (k0 + offs_k < width)
+        vid = tl.load(Perm + p, mask=pm, other=0).to(tl.int64)
+        w = tl.load(W + offs_r[:, None] * stride_w + p[None, :], mask=rmask[:, None] & pm[None, :], other=0.0)
+        cc = tl.load(
+            C + vid[:, None] * stride_c + offs_do[None, :], mask=pm[:, None] & dmask[None, :], other=0.0
+        ).to(tl.float32)  # [BLOCK_K, BLOCK_DO]
+        acc = tl.dot(w, cc, acc, input_precision=PRECISION)  # [BLOCK_R, BLOCK_DO]
+    out = Out + (s * R + offs_r).to(tl.int64)[:, None] * D + offs_do[None, :]
+    tl.store(out, acc, mask=rmask[:, None] & dmask[None, :])
+
+
+def slab_products(w: torch.Tensor, c: torch.Tensor, perm: torch.Tensor, width: int) -> torch.Tensor:
+    """fp32 [n_slabs, R, D]: for each slab of ``width`` sorted positions, ``w`` (fp32 [R, >= V],
+    sorted positions) restricted to the slab times the slab's classes ``c[perm[...]]``."""
+    R = w.shape[0]
+    V, D = c.shape
+    n_slabs = triton.cdiv(V, width)
+    out = torch.empty((n_slabs, R, D), dtype=torch.float32, device=c.device)
+    if R == 0 or V == 0 or D == 0:
+        return out.zero_()
+    small = interpreting()
+    BR = max(16, triton.next_power_of_2(R))
+    BK, BDO = (16, 32) if small else (64, 128)
+    # fp32 weights: tf32 products on a GPU, an estimate's accuracy (the weights are formed in fp32).
+    prec = "ieee" if small or not c.is_cuda else "tf32"
+    with device_context(c.device):
+        _slab_products_kernel[(n_slabs, triton.cdiv(D, BDO))](
+            W=w, C=c, Perm=perm, Out=out, R=R, V=V, D=D, stride_w=w.stride(0), stride_c=c.stride(0),
+            width=width, BLOCK_R=BR, BLOCK_K=BK, BLOCK_DO=BDO, PRECISION=prec, num_warps=4,
+        )  # fmt: skip
+    return out

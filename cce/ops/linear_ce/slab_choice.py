@@ -1,0 +1,143 @@
+"""Which slabs of the sorted vocabulary the sparse backward does densely, decided on the device.
+
+The sparse backward replaces each skipped (token block, tile) pair by a rank-1 correction whose
+error depends on the data: about 0.01 of the skipped mass on zipf-like logits, 0.02-0.04 on
+near-uniform ones, 0.3 or more on hidden states of a model trained on real text
+(docs/design.md, "Dense slabs"). No rule on the statistics alone (a threshold, a skipped mass)
+holds one error on all of them, so the error is measured: for a few sampled rows the exact
+non-target gradient of every skipped tile is formed and compared with its correction, per slab.
+The slabs whose corrections err the most are made dense until the sampled rows' remaining error
+is at most ``slab_error`` of their exact gradient (relative Frobenius norm, the error the issue
+states its target in). Slabs where the filter keeps many tiles are dense as well: recomputing
+kept tiles one by one costs more than a GEMM there.
+
+Everything stays on the device (the flags are a tensor the dense-slab kernels read), so a step
+is still capturable in a CUDA graph. Cost: two passes over C for a few rows and a [rows, V]
+softmax, about one token block's share of one matmul pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.backward_exact import mm_f32
+from .kernels.dense_slabs import slab_products
+from .kernels.tile_stats import decode_tile_mass
+
+# Rows sampled by slab_errors (their relative error estimates the whole batch's; the standard
+# error of a ratio of norms over 32 rows is about 0.2 of it on the measured regimes).
+ERROR_ROWS = 32
+
+
+def sample_positions(n_valid: torch.Tensor, N: int, k: int) -> torch.Tensor:
+    """k sorted-row positions spread evenly over the valid rows [0, n_valid), on the device."""
+    pos = torch.arange(k, device=n_valid.device) * n_valid.long() // max(k, 1)
+    return pos.clamp(max=max(N - 1, 0))
+
+
+def slab_errors(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    erow_s: torch.Tensor,
+    t_s: torch.Tensor,
+    lse_s: torch.Tensor,
+    alpha_s: torch.Tensor,
+    beta_s: torch.Tensor,
+    code: torch.Tensor,
+    keep: torch.Tensor,
+    vperm: torch.Tensor,
+    n_valid: torch.Tensor,
+    softcap: float,
+    BLOCK_N: int,
+    BLOCK_V: int,
+    width: int,
+    rows: int = ERROR_ROWS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(err, ref) for ``rows`` sampled sorted rows i: err[s, i] (fp32 [n_slabs, rows, D]) is what
+    the rank-1 corrections of the skipped tiles of slab s (``width`` sorted positions) get wrong
+    in dE_i,
+
+        err[s, i] = sum_{skipped j in s} ( sum_{v in j, v != t_i} dZ_iv c_v - alpha_i S'_ij mean(C_j) ),
+
+    with dZ_iv = alpha_i p_iv softcap'(z_iv) and S'_ij the decoded mass the sparse backward uses;
+    ref[i] (fp32 [rows, D]) is the exact sum_v dZ_iv c_v with the target term (alpha p_t -
+    beta) softcap'. Sorted rows past n_valid count with alpha = beta = 0.
+    """
+    N, nt = code.shape
+    V, D = c.shape
+    dev = c.device
+    k = min(rows, N)
+    pos = sample_positions(n_valid, N, k)
+    ok = (pos < n_valid.long()).float()
+    a = alpha_s.index_select(0, pos) * ok
+    b = beta_s.index_select(0, pos) * ok
+    t = t_s.index_select(0, pos).long()[:, None]
+    z = mm_f32(e2d.index_select(0, erow_s.index_select(0, pos)), c.T, None)  # [k, V]
+    if bias is not None:
+        z += bias.float()[None, :]
+    d = None
+    if softcap > 0:
+        th = torch.tanh(z / softcap)
+        z = softcap * th
+        d = 1.0 - th * th
+    dz = torch.exp(z - lse_s.index_select(0, pos)[:, None]).mul_(a[:, None])  # alpha p
+    if d is not None:
+        dz.mul_(d)
+    d_t = d.gather(1, t) if d is not None else 1.0
+    full_t = dz.gather(1, t) - b[:, None] * d_t
+    full = dz.scatter(1, t, full_t).index_select(1, vperm.long())  # sorted positions
+    dz.scatter_(1, t, 0.0)
+    w = torch.zeros((k, nt * BLOCK_V), dtype=torch.float32, device=dev)
+    w[:, :V] = dz.index_select(1, vperm.long())
+    del dz, z, d
+    # The correction alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes.
+    S = decode_tile_mass(code.index_select(0, pos)) * a[:, None]  # [k, nt]; 0 where kept
+    skipped = ~keep.index_select(0, pos // BLOCK_N)
+    size = (V - BLOCK_V * torch.arange(nt, device=dev)).clamp(max=BLOCK_V).float()  # classes per tile
+    w3 = w.view(k, nt, BLOCK_V)
+    w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
+    err = slab_products(w, c, vperm, width)
+    ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
+    return err, ref
+
+
+def dense_slab_flags(
+    code: torch.Tensor,
+    keep: torch.Tensor,
+    n_valid: torch.Tensor,
+    BLOCK_N: int,
+    tiles_per_slab: int,
+    dense_kept: float,
+    slab_error: float,
+    errors: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """int8 [n_slabs] on the device, 1 for the slabs of ``tiles_per_slab`` vocabulary tiles (in
+    the sorted order) that the sparse backward does densely; no host synchronisation.
+
+    A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
+    tile) pairs. With ``errors`` (slab_errors' (err, ref)), the other slabs are taken in order of
+    decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
+    ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up).
+    """
+    N, nt = code.shape
+    dev = code.device
+    n_slabs = -(-nt // tiles_per_slab)
+    pad = n_slabs * tiles_per_slab - nt
+    kept = F.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
+    blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
+    tiles = F.pad(torch.ones(nt, device=dev), (0, pad)).view(n_slabs, -1).sum(1)
+    dense = kept / (blocks * tiles) >= dense_kept
+    if errors is None:
+        return dense.to(torch.int8)
+    err, ref = errors
+    err = err * (~dense).float()[:, None, None]  # dense slabs are exact
+    order = torch.argsort(err.flatten(1).norm(dim=1), descending=True)
+    cum = err.index_select(0, order).cumsum(0)
+    # rem[m]: the error left when the first m slabs of `order` are dense (rem[n_slabs] = 0).
+    rem = torch.cat([cum[-1].norm().reshape(1), (cum[-1][None] - cum).flatten(1).norm(dim=1)])
+    m = (rem <= slab_error * ref.norm()).int().argmax()  # the first m that meets the target
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(n_slabs, device=dev)
+    return (dense | (rank < m)).to(torch.int8)
