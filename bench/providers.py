@@ -88,13 +88,13 @@ def _cce_recompute():
     return make
 
 
-def _cce_dense():
-    """cce with the sparse backward's dense slabs on (Tuning(dense_slabs=True), experimental)."""
+def _cce_dense(**tuning):
+    """cce with the sparse backward's dense slabs on (Tuning(dense_slabs=True, **tuning))."""
 
     def make():
         import cce
 
-        opts = cce.CCEOptions(tuning=cce.Tuning(dense_slabs=True))
+        opts = cce.CCEOptions(tuning=cce.Tuning(dense_slabs=True, **tuning))
         return lambda e, c, t: cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
 
     return make
@@ -222,7 +222,9 @@ def all_providers() -> list[Provider]:
         P("cce-exact", LINEAR, _cce(filter_eps=None), "cce, filter_eps=None (no gradient filtering)"),
         P("cce-recompute", LINEAR, _cce_recompute(), "cce, filtered backward that recomputes every tile",
           needs_cuda=True, modes=(FWDBWD,)),
-        P("cce-dense", LINEAR, _cce_dense(), "cce, Tuning(dense_slabs=True)",
+        P("cce-dense", LINEAR, _cce_dense(), "cce, Tuning(dense_slabs=True): both rules",
+          needs_cuda=True, modes=(FWDBWD,)),
+        P("cce-dense-kept", LINEAR, _cce_dense(slab_error=1.0), "cce, dense slabs by the kept rule only",
           needs_cuda=True, modes=(FWDBWD,)),
         P("cce-torch", LINEAR, _cce(impl="torch"), "cce, impl='torch' (chunked PyTorch)"),
         P("torch", LINEAR, lambda: _torch_linear, "F.cross_entropy((e @ c.T).float(), t), eager"),

@@ -7,12 +7,13 @@ The implementations themselves live in cce/ops/<op>/ and cce/distributed/.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 import torch
 
-from .options import Tuning
+from .options import SPARSE_MIN_FLOPS_CUDA, Tuning
 
 # The sparse backward serves filtered training steps from this threshold up (the bf16 / fp16
 # defaults): a kept tile past its dZ scratch costs one recompute per D chunk of the output, cheap
@@ -83,12 +84,25 @@ def linear_backward(
     need_dbias: bool,
     softcap: float,
     label_smoothing: float,
+    flops: float = math.inf,
+    cuda: bool = True,
 ) -> str:
     """The Triton backward of a linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
     cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
     softcap with label smoothing, whose smoothing term is then not rank-1) or "recompute"
-    (filtered, recomputing every tile)."""
+    (filtered, recomputing every tile).
+
+    ``flops`` (2 N V D, one pass of the logits matmul): with ``backward="auto"`` a filtered call
+    below ``tuning.sparse_min_flops`` (None: SPARSE_MIN_FLOPS_CUDA for ``cuda`` tensors, else 0)
+    takes the exact path, which is then the faster one (the
+    filtered backwards' fixed costs, its ordering, statistics and plan, outweigh what skipping
+    saves) and has no filter error."""
     if filter_eps <= 0:
+        return "exact"
+    min_flops = tuning.sparse_min_flops
+    if min_flops is None:
+        min_flops = SPARSE_MIN_FLOPS_CUDA if cuda else 0.0
+    if tuning.backward == "auto" and flops < min_flops:
         return "exact"
     applies = (need_de or need_dc) and not need_dbias and not (softcap > 0 and label_smoothing > 0)
     if tuning.backward == "recompute" or not applies:

@@ -76,6 +76,11 @@ class Tuning:
             sampled rows, are dense until the corrections' relative error in dE is at most this
             (cce/ops/linear_ce/slab_choice.py); 1 or more: never for this reason.
         dense_slab_bytes: bytes of the dZ slab of the dense slabs.
+        sparse_min_flops: with ``backward="auto"``, problems whose logits matmul (2 N V D) is
+            smaller than this take the exact backward even when filtered: below it the exact
+            path is the faster one and has no filter error. None: SPARSE_MIN_FLOPS_CUDA on CUDA
+            tensors (calibrated on an H100, docs/benchmarks.md), 0 elsewhere (the Triton
+            interpreter has no speed to gain, and its tests exercise the filtered paths).
     """
 
     backward: Backward = "auto"
@@ -89,6 +94,7 @@ class Tuning:
     dense_kept: float = 0.25
     slab_error: float = 2.5e-3
     dense_slab_bytes: int = 64 << 20
+    sparse_min_flops: float | None = None
 
     def __post_init__(self) -> None:
         if self.backward not in BACKWARDS:
@@ -105,6 +111,9 @@ class Tuning:
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
+        x = self.sparse_min_flops
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0):
+            raise ValueError(f"sparse_min_flops must be a number >= 0 or None, got {x!r}")
         if isinstance(self.de_block_slots, bool) or not isinstance(self.de_block_slots, int):
             raise ValueError(f"de_block_slots must be an int >= 0, got {self.de_block_slots!r}")
         if self.de_block_slots < 0:
@@ -112,6 +121,12 @@ class Tuning:
 
 
 DEFAULT_TUNING = Tuning()
+
+# Tuning.sparse_min_flops on CUDA: one logits matmul of 1.5 TFLOP (2.2 ms on an H100). Measured
+# crossover of the exact and the sparse backward (H100, bf16, zipf and random data): the exact
+# path was faster at every problem up to 1.1e12 and the sparse one from 2.1e12 up
+# (docs/benchmarks.md, "Exact below a size").
+SPARSE_MIN_FLOPS_CUDA = 1.5e12
 
 
 @dataclasses.dataclass(frozen=True)

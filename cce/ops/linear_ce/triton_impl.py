@@ -337,7 +337,12 @@ def linear_ce_triton(
     """(loss, lse). need_de / need_dc / need_dbias (what autograd will ask for) choose the
     backward (cce._dispatch.linear_backward): for the sparse one the forward also gathers the
     tile statistics."""
-    algo = linear_backward(tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing)
+    flops = 2.0 * targets.numel() * c.shape[0] * c.shape[1]
+    algo = linear_backward(
+        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda
+    )  # fmt: skip
+    if algo == "exact":
+        filter_eps = 0.0
     stats = algo == "sparse"
     out = linear_ce_triton_fwd(
         e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,

@@ -277,3 +277,42 @@ def test_cpu_tensors_rejected_outside_interpreter(monkeypatch):
     rows = torch.arange(8)
     with pytest.raises(ValueError, match="CUDA"):
         linear_ce_forward(e, c, None, None, rows, t, torch.tensor([8], dtype=torch.int32), 0.0, False)
+
+
+def test_exact_below_sparse_min_flops():
+    """Tuning.sparse_min_flops: a filtered call whose 2 N V D is below it runs the exact backward
+    (the same gradients, bit for bit, as filter_eps=None); at 0 the filter acts (random logits
+    of std 1.5: every tile skipped, the rank-1 corrections' error, far above fp32 rounding)."""
+    g = torch.Generator().manual_seed(2)
+    N, D, V = 48, 32, 600
+    e = torch.randn(N, D, generator=g) * 1.5**0.5 / D**0.25
+    c = torch.randn(V, D, generator=g) * 1.5**0.5 / D**0.25
+    t = torch.randint(0, V, (N,), generator=g)
+
+    def grads(fn, **kw):
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        fn(ee, cc, t, impl="triton", **kw).backward()
+        return ee.grad, cc.grad
+
+    exact = grads(tuned(), filter_eps=None)
+    big = grads(tuned(sparse_min_flops=2.0 * N * V * D + 1), filter_eps=0.25)
+    small = grads(tuned(sparse_min_flops=2.0 * N * V * D), filter_eps=0.25)
+    assert torch.equal(big[0], exact[0]) and torch.equal(big[1], exact[1])
+    assert rel_err(small[0], exact[0]) > 1e-3
+
+
+def test_dispatch_by_size():
+    """_dispatch.linear_backward: the size rule applies to backward="auto" only, with None read as
+    the CUDA calibration on CUDA tensors and as 0 elsewhere."""
+    from cce import Tuning
+    from cce._dispatch import linear_backward
+    from cce.options import SPARSE_MIN_FLOPS_CUDA
+
+    args = (1 / 256, True, True, False, 0.0, 0.0)
+    small = SPARSE_MIN_FLOPS_CUDA / 2
+    assert linear_backward(Tuning(), *args, small, True) == "exact"
+    assert linear_backward(Tuning(), *args, small, False) == "sparse"
+    assert linear_backward(Tuning(), *args, 2 * SPARSE_MIN_FLOPS_CUDA, True) == "sparse"
+    assert linear_backward(Tuning(backward="sparse"), *args, small, True) == "sparse"
+    assert linear_backward(Tuning(sparse_min_flops=0), *args, small, True) == "sparse"
+    assert linear_backward(Tuning(sparse_min_flops=1e30), *args, 1e20, False) == "exact"
