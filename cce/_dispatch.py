@@ -94,9 +94,8 @@ def linear_backward(
 
     ``flops`` (2 N V D, one pass of the logits matmul): with ``backward="auto"`` a filtered call
     below ``tuning.sparse_min_flops`` (None: SPARSE_MIN_FLOPS_CUDA for ``cuda`` tensors, else 0)
-    takes the exact path, which is then the faster one (the
-    filtered backwards' fixed costs, its ordering, statistics and plan, outweigh what skipping
-    saves) and has no filter error."""
+    takes the exact path, which is then the faster one (the filtered backwards' fixed costs,
+    their ordering, statistics and plan, outweigh what skipping saves) and has no filter error."""
     if filter_eps <= 0:
         return "exact"
     min_flops = tuning.sparse_min_flops

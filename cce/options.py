@@ -125,7 +125,7 @@ DEFAULT_TUNING = Tuning()
 # Tuning.sparse_min_flops on CUDA: one logits matmul of 1.5 TFLOP (2.2 ms on an H100). Measured
 # crossover of the exact and the sparse backward (H100, bf16, zipf and random data): the exact
 # path was faster at every problem up to 1.1e12 and the sparse one from 2.1e12 up
-# (docs/benchmarks.md, "Exact below a size").
+# (docs/benchmarks.md, "Error-targeted dense slabs and exact below a size").
 SPARSE_MIN_FLOPS_CUDA = 1.5e12
 
 

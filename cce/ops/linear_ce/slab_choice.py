@@ -74,6 +74,7 @@ def slab_errors(
     a = alpha_s.index_select(0, pos) * ok
     b = beta_s.index_select(0, pos) * ok
     t = t_s.index_select(0, pos).long()[:, None]
+    vp = vperm.long()
     z = mm_f32(e2d.index_select(0, erow_s.index_select(0, pos)), c.T, None)  # [k, V]
     if bias is not None:
         z += bias.float()[None, :]
@@ -87,10 +88,10 @@ def slab_errors(
         dz.mul_(d)
     d_t = d.gather(1, t) if d is not None else 1.0
     full_t = dz.gather(1, t) - b[:, None] * d_t
-    full = dz.scatter(1, t, full_t).index_select(1, vperm.long())  # sorted positions
+    full = dz.scatter(1, t, full_t).index_select(1, vp)  # sorted positions
     dz.scatter_(1, t, 0.0)
     w = torch.zeros((k, nt * BLOCK_V), dtype=torch.float32, device=dev)
-    w[:, :V] = dz.index_select(1, vperm.long())
+    w[:, :V] = dz.index_select(1, vp)
     del dz, z, d
     # The correction alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes.
     S = decode_tile_mass(code.index_select(0, pos)) * a[:, None]  # [k, nt]; 0 where kept
@@ -121,7 +122,7 @@ def dense_slab_flags(
     decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
     ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up).
     """
-    N, nt = code.shape
+    nt = code.shape[1]
     dev = code.device
     n_slabs = -(-nt // tiles_per_slab)
     pad = n_slabs * tiles_per_slab - nt

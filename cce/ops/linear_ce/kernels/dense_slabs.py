@@ -339,13 +339,13 @@ def run_dense_slabs(
         dz_de = TD.from_tensor(DZ, [BM, BK])
         dz_dc = TD.from_tensor(DZ, [BK, BM])
         c_dz, c_de = TD.from_tensor(C_slab, [BV, cfg.BLOCK_D]), TD.from_tensor(C_slab, [BK, BDO])
+    GK = 64  # classes per program of the gather
     with device_context(dev):
         for s, t0 in enumerate(range(0, n_vtiles, tiles_per_slab)):
             nt = min(tiles_per_slab, n_vtiles - t0)
             v0 = t0 * BV
             width = min(V, (t0 + nt) * BV) - v0
             if tma:
-                GK = 64
                 _gather_slab_kernel[(triton.cdiv(width, GK),)](
                     C=c, Perm=perm[v0:], Dense=dense, Out=C_slab, D=D, stride_c=c.stride(0),
                     stride_o=C_slab.stride(0), slab=s, width=width, BLOCK_K=GK, BLOCK_DO=128, num_warps=4,
