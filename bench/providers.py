@@ -75,26 +75,13 @@ def _cce(**kw):
     return make
 
 
-def _cce_recompute():
-    """cce with the recomputing filtered backward (the one used when the bias needs a gradient)
-    instead of the sparse one, to measure what the forward's tile statistics buy."""
+def _cce_tuned(**tuning):
+    """cce with Tuning(**tuning)."""
 
     def make():
         import cce
 
-        opts = cce.CCEOptions(tuning=cce.Tuning(backward="recompute"))
-        return lambda e, c, t: cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
-
-    return make
-
-
-def _cce_dense(**tuning):
-    """cce with the sparse backward's dense slabs on (Tuning(dense_slabs=True, **tuning))."""
-
-    def make():
-        import cce
-
-        opts = cce.CCEOptions(tuning=cce.Tuning(dense_slabs=True, **tuning))
+        opts = cce.CCEOptions(tuning=cce.Tuning(**tuning))
         return lambda e, c, t: cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
 
     return make
@@ -220,11 +207,13 @@ def all_providers() -> list[Provider]:
     return [
         P("cce", LINEAR, _cce(), "cce.linear_cross_entropy (defaults: filter_eps='auto')"),
         P("cce-exact", LINEAR, _cce(filter_eps=None), "cce, filter_eps=None (no gradient filtering)"),
-        P("cce-recompute", LINEAR, _cce_recompute(), "cce, filtered backward that recomputes every tile",
+        P("cce-recompute", LINEAR, _cce_tuned(backward="recompute"),
+          "cce, filtered backward that recomputes every tile",
           needs_cuda=True, modes=(FWDBWD,)),
-        P("cce-dense", LINEAR, _cce_dense(), "cce, Tuning(dense_slabs=True): both rules",
-          needs_cuda=True, modes=(FWDBWD,)),
-        P("cce-dense-kept", LINEAR, _cce_dense(slab_error=1.0), "cce, dense slabs by the kept rule only",
+        P("cce-sparse", LINEAR, _cce_tuned(dense_slabs=False),
+          "cce, Tuning(dense_slabs=False): the sparse backward without dense slabs", needs_cuda=True,
+          modes=(FWDBWD,)),
+        P("cce-dense-kept", LINEAR, _cce_tuned(slab_error=1.0), "cce, dense slabs by the kept rule only",
           needs_cuda=True, modes=(FWDBWD,)),
         P("cce-torch", LINEAR, _cce(impl="torch"), "cce, impl='torch' (chunked PyTorch)"),
         P("torch", LINEAR, lambda: _torch_linear, "F.cross_entropy((e @ c.T).float(), t), eager"),

@@ -69,13 +69,17 @@ class Tuning:
         stash_move_bytes: bytes of the temporary that moves dE rows into e's order.
         dense_slabs: whether the sparse backward does some vocabulary slabs densely
             (GEMM-shaped kernels, chosen on the device by the two rules below;
-            docs/design.md, "Dense slabs").
+            docs/design.md, "Dense slabs"). On by default: without them the filter's error
+            on near-uniform softmaxes and on real-text hidden states is 1e-2 to 5e-2, and
+            the sparse backward slows down many times where it keeps most tiles.
         dense_kept: a slab is dense where the tile filter keeps at least this share of its
             (token block, tile) pairs; above 1: never for this reason.
         slab_error: ... and the slabs whose rank-1 corrections err the most, measured on
             sampled rows, are dense until the corrections' relative error in dE is at most this
             (cce/ops/linear_ce/slab_choice.py); 1 or more: never for this reason.
-        dense_slab_bytes: bytes of the dZ slab of the dense slabs.
+        dense_slab_bytes: bytes of the dZ slab of the dense slabs (with the gated launches per
+            slab, larger slabs cost fewer host launches and fill the GPU better:
+            docs/benchmarks.md).
         sparse_min_flops: with ``backward="auto"``, problems whose logits matmul (2 N V D) is
             smaller than this take the exact backward even when filtered: below it the exact
             path is the faster one and has no filter error. None: SPARSE_MIN_FLOPS_CUDA on CUDA
@@ -90,10 +94,10 @@ class Tuning:
     de_block_slots: int = 2
     dc_scratch_tiles: int | None = None
     stash_move_bytes: int = 8 << 20
-    dense_slabs: bool = False
+    dense_slabs: bool = True
     dense_kept: float = 0.25
     slab_error: float = 2.5e-3
-    dense_slab_bytes: int = 64 << 20
+    dense_slab_bytes: int = 256 << 20
     sparse_min_flops: float | None = None
 
     def __post_init__(self) -> None:
@@ -122,11 +126,13 @@ class Tuning:
 
 DEFAULT_TUNING = Tuning()
 
-# Tuning.sparse_min_flops on CUDA: one logits matmul of 1.5 TFLOP (2.2 ms on an H100). Measured
-# crossover of the exact and the sparse backward (H100, bf16, zipf and random data): the exact
-# path was faster at every problem up to 1.1e12 and the sparse one from 2.1e12 up
-# (docs/benchmarks.md, "Error-targeted dense slabs and exact below a size").
-SPARSE_MIN_FLOPS_CUDA = 1.5e12
+# Tuning.sparse_min_flops on CUDA: one logits matmul of 3 TFLOP (4.5 ms on an H100). Measured
+# crossover of the exact and the filtered backward with its dense slabs (H100, bf16, zipf and
+# random data): the exact path was faster at every problem up to 2.2e12, the filtered one on
+# zipf data from 4.3e12 up (on near-uniform data the dense slabs cost 1.15-1.3x the exact path
+# at every size: they are there for the error bound); docs/benchmarks.md, "Dense slabs on by
+# default".
+SPARSE_MIN_FLOPS_CUDA = 3e12
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,7 +121,7 @@ def sparse_backward(
     filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *, de_block_slots: int = 2,
     dc_scratch_tiles: int | None = None, move_bytes: int = 8 << 20, return_plan: bool = False,
     dense_slabs: bool = False, dense_kept: float = 0.25, slab_error: float = 2.5e-3,
-    dense_slab_bytes: int = 64 << 20,
+    dense_slab_bytes: int = 256 << 20,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
 

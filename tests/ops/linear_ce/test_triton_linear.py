@@ -282,7 +282,9 @@ def test_cpu_tensors_rejected_outside_interpreter(monkeypatch):
 def test_exact_below_sparse_min_flops():
     """Tuning.sparse_min_flops: a filtered call whose 2 N V D is below it runs the exact backward
     (the same gradients, bit for bit, as filter_eps=None); at 0 the filter acts (random logits
-    of std 1.5: every tile skipped, the rank-1 corrections' error, far above fp32 rounding)."""
+    of std 1.5: every tile skipped, the rank-1 corrections' error, far above fp32 rounding)
+    unless the dense slabs (on by default) take the tiles whose corrections err: then the error
+    is within the issue's 5e-3 (the rule aims at slab_error = 2.5e-3 on sampled rows)."""
     g = torch.Generator().manual_seed(2)
     N, D, V = 48, 32, 600
     e = torch.randn(N, D, generator=g) * 1.5**0.5 / D**0.25
@@ -296,9 +298,11 @@ def test_exact_below_sparse_min_flops():
 
     exact = grads(tuned(), filter_eps=None)
     big = grads(tuned(sparse_min_flops=2.0 * N * V * D + 1), filter_eps=0.25)
-    small = grads(tuned(sparse_min_flops=2.0 * N * V * D), filter_eps=0.25)
+    small = grads(tuned(sparse_min_flops=2.0 * N * V * D, dense_slabs=False), filter_eps=0.25)
+    dense = grads(tuned(sparse_min_flops=2.0 * N * V * D), filter_eps=0.25)
     assert torch.equal(big[0], exact[0]) and torch.equal(big[1], exact[1])
     assert rel_err(small[0], exact[0]) > 1e-3
+    assert rel_err(dense[0], exact[0]) < 5e-3 and rel_err(dense[1], exact[1]) < 5e-3
 
 
 def test_dispatch_by_size():

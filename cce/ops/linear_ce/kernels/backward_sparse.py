@@ -432,9 +432,10 @@ def linear_ce_backward_sparse(
     is written.
 
     ``dense`` (int8 [n_slabs] on the device, or None): the slabs of ``tiles_per_slab`` tiles
-    that the plan leaves out (keep 0, code 255), done first by dense_slabs.run_dense_slabs: their
-    dC rows directly, their dE part through an fp32 [N, D] accumulator the dE writer adds (the
-    one O(N D) buffer besides the gradients, allocated only with ``dense``).
+    that the plan leaves out (keep 0, code 255), done by dense_slabs.run_dense_slabs after the
+    sparse dC writer: their dC rows directly, their dE part through an fp32 [N, D] accumulator
+    the dE writer adds (the one O(N D) buffer besides the gradients, allocated only with
+    ``dense``).
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma)
     N = erow.numel()
@@ -483,17 +484,6 @@ def linear_ce_backward_sparse(
                     ListE=plan.list_e, CntE=plan.cnt_e, Scratch=slots, ScaleBuf=slot_scale,
                     BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
                 )  # fmt: skip
-    de_acc = None
-    if dense is not None:
-        if need_de:
-            de_acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
-        if need_dc:
-            dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
-        run_dense_slabs(
-            e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
-            (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
-            plan.ge if smooth else None,
-        )  # fmt: skip
     if need_dc:
         cap = min(plan.klist.numel() - 1, free // tile)
         if need_de and cap > 0:
@@ -520,6 +510,17 @@ def linear_ce_backward_sparse(
                     BLOCK_R=BR, num_warps=warps, num_stages=2, **common,
                 )  # fmt: skip
         del scratch, scalebuf
+    de_acc = None
+    if dense is not None:
+        # After the sparse dC writer (independent of it: it masks the dense slabs' tiles), so that
+        # the slabs' gated launches are issued while the GPU runs it.
+        if need_de:
+            de_acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
+        run_dense_slabs(
+            e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
+            (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
+            plan.ge if smooth else None,
+        )  # fmt: skip
     if release:
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
         plan.gidx = plan.klist = None
