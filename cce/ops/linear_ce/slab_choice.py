@@ -29,8 +29,6 @@ from .kernels.tile_stats import decode_tile_mass
 # underestimated dE's error on real-text hidden states 2.3x (5.7e-3 measured against a 2.5e-3
 # target, docs/benchmarks.md): those rows' errors are heavy-tailed.
 ERROR_ROWS = 64
-# Classes sampled per slab by slab_dc_errors (evenly spaced in the slab's sorted positions).
-DC_CLASSES = 16
 
 
 def sample_positions(n_valid: torch.Tensor, N: int, k: int) -> torch.Tensor:
@@ -107,85 +105,6 @@ def slab_errors(
     return err, ref
 
 
-def slab_dc_errors(
-    e2d: torch.Tensor,
-    c: torch.Tensor,
-    bias: torch.Tensor | None,
-    erow_s: torch.Tensor,
-    t_s: torch.Tensor,
-    lse_s: torch.Tensor,
-    alpha_s: torch.Tensor,
-    coef: torch.Tensor,
-    code: torch.Tensor,
-    keep: torch.Tensor,
-    vperm: torch.Tensor,
-    vscore: torch.Tensor,
-    n_valid: torch.Tensor,
-    softcap: float,
-    BLOCK_N: int,
-    BLOCK_V: int,
-    width: int,
-    per_slab: int = DC_CLASSES,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(err2, ref2): err2[s] (fp32 [n_slabs]) estimates the squared Frobenius norm of what the
-    skipped tiles' corrections of slab s get wrong in dC, ref2 (fp32 scalar) that of dC.
-
-    For ``per_slab`` classes v evenly spaced in each slab's sorted positions the exact error is
-    formed over every row: err_v = sum_{i: tile of v skipped for i's block} (dZ_iv - q_v alpha_i
-    S'_ij) e_i (the sparse dC writer's q_v G_j, dZ's non-target entries); scaled by the slab's
-    classes per sample. ref2 = ||T||^2 + the sampled non-target rows' ||sum_i dZ_iv e_i||^2,
-    with T_v = sum_{i: t_i = v} coef_i e_i the exact target part (cross terms left out).
-    Cost: one [N, n_slabs per_slab] logits block and its product with E.
-    """
-    N, nt = code.shape
-    V, D = c.shape
-    dev = c.device
-    f32 = torch.float32
-    n_slabs = -(-V // width)
-    s = torch.arange(n_slabs, device=dev)[:, None]
-    w_s = (V - s * width).clamp(max=width)  # [n_slabs, 1] classes per slab
-    j = torch.arange(per_slab, device=dev)[None, :]
-    pos = (s * width + ((2 * j + 1) * w_s) // (2 * per_slab)).reshape(-1)  # [K] sorted positions
-    scale = (w_s.float() / per_slab).expand(n_slabs, per_slab).reshape(-1)
-    vid = vperm.long().index_select(0, pos)
-    tile = pos // BLOCK_V
-    valid = torch.arange(N, device=dev) < n_valid
-    E = e2d.index_select(0, erow_s)  # [N, D], sorted rows
-    z = mm_f32(E, c.index_select(0, vid).T, None)  # [N, K]
-    if bias is not None:
-        z += bias.float().index_select(0, vid)[None, :]
-    if softcap > 0:
-        th = torch.tanh(z / softcap)
-        z = softcap * th
-    a = torch.where(valid, alpha_s, 0.0)
-    dz = torch.exp(z - lse_s[:, None]).mul_(a[:, None])
-    if softcap > 0:
-        dz.mul_(1.0 - th * th)
-    dz.masked_fill_(t_s.long()[:, None] == vid[None, :], 0.0)  # non-target entries only
-    # q_v: the softmax of the mean-row logits within v's tile (triton_backward._dc_inputs).
-    sc = torch.full((nt * BLOCK_V,), float("-inf"), dtype=f32, device=dev)
-    sc[:V] = vscore
-    q = torch.softmax(sc.view(nt, BLOCK_V), dim=1).reshape(-1).index_select(0, pos)
-    S = decode_tile_mass(code.index_select(1, tile)) * a[:, None]  # [N, K]; 0 where kept
-    skipped = ~keep.bool().index_select(1, tile).repeat_interleave(BLOCK_N, 0)[:N]
-    w = ((dz - q[None, :] * S) * skipped).T.to(E.dtype)  # operands of the products in e's dtype
-    err = mm_f32(w, E, None)  # [K, D]
-    ref = mm_f32(dz.T.to(E.dtype), E, None)
-    del w, dz, z, E
-    err2 = (err.square().sum(1) * scale).view(n_slabs, per_slab).sum(1)
-    ref2 = (ref.square().sum(1) * scale).sum()
-    # ||T||^2: rows grouped by target (ignored rows carry coef 0), D in chunks of 256.
-    key = torch.where(valid, t_s.long(), V)
-    ks, order = torch.sort(key)
-    gid = torch.cat([ks.new_zeros(1), (ks[1:] != ks[:-1]).long().cumsum(0)])
-    cf = coef.index_select(0, order)[:, None]
-    Eo = e2d.index_select(0, erow_s.index_select(0, order))
-    for d0 in range(0, D, 256):
-        part = Eo[:, d0 : d0 + 256].float() * cf
-        ref2 = ref2 + torch.zeros_like(part).index_add_(0, gid, part).square().sum()
-    return err2, ref2
-
-
 def dense_slab_flags(
     code: torch.Tensor,
     keep: torch.Tensor,
@@ -195,7 +114,6 @@ def dense_slab_flags(
     dense_kept: float,
     slab_error: float,
     errors: tuple[torch.Tensor, torch.Tensor] | None = None,
-    dc_errors: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """int8 [n_slabs] on the device, 1 for the slabs of ``tiles_per_slab`` vocabulary tiles (in
     the sorted order) that the sparse backward does densely; no host synchronisation.
@@ -204,9 +122,6 @@ def dense_slab_flags(
     tile) pairs. With ``errors`` (slab_errors' (err, ref)), the other slabs are taken in order of
     decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
     ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up).
-    With ``dc_errors`` (slab_dc_errors' (err2, ref2)) likewise for dC, whose slabs' errors lie
-    in different rows and add in squares: slabs in order of decreasing err2 until the rest's
-    sum is at most slab_error^2 ref2. A slab is dense if any rule makes it so.
     """
     nt = code.shape[1]
     dev = code.device
@@ -216,16 +131,6 @@ def dense_slab_flags(
     blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
     tiles = F.pad(torch.ones(nt, device=dev), (0, pad)).view(n_slabs, -1).sum(1)
     dense = kept / (blocks * tiles) >= dense_kept
-    if dc_errors is not None:
-        err2, ref2 = dc_errors
-        err2 = err2 * (~dense).float()
-        order = torch.argsort(err2, descending=True)
-        left = err2.sum() - err2.index_select(0, order).cumsum(0)  # left[m - 1]: m slabs dense
-        left = torch.cat([err2.sum().reshape(1), left])
-        m = (left <= slab_error**2 * ref2).int().argmax()
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(n_slabs, device=dev)
-        dense = dense | (rank < m)
     if errors is None:
         return dense.to(torch.int8)
     err, ref = errors

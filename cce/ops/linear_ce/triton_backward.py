@@ -18,7 +18,7 @@ from .kernels.common import inverse_permutation, slab_tiles, stats_blocks
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
-from .slab_choice import dense_slab_flags, slab_dc_errors, slab_errors
+from .slab_choice import dense_slab_flags, slab_errors
 
 
 def coefficient_backward(
@@ -177,19 +177,14 @@ def sparse_backward(
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
     dense = live = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1):
-        errors = dc_errors = None
+        errors = None
         if slab_error < 1:
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
                 BN, BV, tps * BV,
             )  # fmt: skip
-            if need_dc:
-                dc_errors = slab_dc_errors(
-                    e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, coef, code, keep, vperm, vscore, r.n_valid,
-                    softcap, BN, BV, tps * BV,
-                )  # fmt: skip
-        dense = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, dc_errors)
-        del errors, dc_errors
+        dense = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors)
+        del errors
         # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
         # and _dc_inputs mask them; the forward's codes are not modified).
         live = (dense == 0).repeat_interleave(tps)[:nt]

@@ -6,7 +6,6 @@ Tuning.dense_kept of its (block, tile) pairs, and the slabs whose rank-1 correct
 most on sampled rows until the rest err by at most Tuning.slab_error (slab_choice.py); a dense
 slab's tiles leave the sparse plan and are done exactly. The tests: the sampled errors and the
 flags against float64 recomputations; the error rule meets its target when every row is
-sampled, and the dC rule's estimate is the sparse backward's dC error when every class is
 sampled; all slabs dense gives the exact gradients for every option; a mix of dense and sparse
 slabs is exact on the dense slabs' classes and no worse than the sparse backward elsewhere; on
 near-uniform rows (the start of training) the error falls from the rank-1 corrections' to the
@@ -32,7 +31,6 @@ from cce.ops.linear_ce.slab_choice import (  # noqa: E402
     ERROR_ROWS,
     dense_slab_flags,
     sample_positions,
-    slab_dc_errors,
     slab_errors,
 )
 from cce.ops.linear_ce.triton_backward import loss_coefficients, sparse_backward  # noqa: E402
@@ -138,40 +136,6 @@ def test_slab_errors_against_float64(softcap, bias):
     assert (err.double() - want).abs().max() <= 1e-5 * ref.double().norm(dim=1).max()
     assert rel_err(ref, full @ C) < 1e-5
     assert want.abs().sum() > 0  # some corrections exist
-
-
-def test_slab_dc_errors_equal_the_sparse_dc_error():
-    """slab_dc_errors with every class sampled (one-tile slabs of 32 classes, 32 samples each):
-    the estimated squared error summed over the slabs is the sparse backward's dC error without
-    dense slabs (its skipped tiles' corrections q_v G_j against the exact products; fp32
-    rounding: 1e-3 of it), and ref2 is at least the exact target part's ||T||^2 and within a
-    factor of 2 of ||dC||^2 (the cross terms of T and the non-target part are left out)."""
-    N, D, V = 96, 32, 640
-    eps = 2e-2  # coarse: many skipped tiles carry mass
-    s = _setup(N, D, V, seed=2, eps=eps, tuning=Tuning(backward="sparse"), ignore=5)
-    BN, BV = stats_blocks(torch.float32)
-    out, t, g = s["out"], s["t"], s["g"]
-    args = (s["e"], s["c"], None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, False, True)
-    _, dC_s = sparse_backward(*args, *out[2:], **OFF)
-    cc = s["c"].double().requires_grad_()
-    loss = linear_cross_entropy_reference(s["e"].double(), cc, t, reduction="none")
-    (loss * g.double()).sum().backward()
-    zt_s = out[4]
-    coef = torch.where(
-        torch.arange(N) < s["r"].n_valid, s["alpha_s"] * torch.exp(zt_s - s["lse_s"]) - s["beta_s"], 0.0
-    )
-    err2, ref2 = slab_dc_errors(
-        s["e"], s["c"], None, s["r"].erow_s, s["t_s"], s["lse_s"], s["alpha_s"], coef, s["code"], s["keep"],
-        s["vperm"], out[6], s["r"].n_valid, 0.0, BN, BV, BV, per_slab=BV,
-    )  # fmt: skip
-    want = float((dC_s.double() - cc.grad).square().sum())
-    assert want > 1e-6 * float(cc.grad.square().sum())  # the corrections err
-    assert abs(float(err2.sum()) - want) <= 1e-3 * want
-    t_part = torch.zeros(V, D, dtype=torch.float64).index_add_(
-        0, s["r"].safe_t.index_select(0, s["r"].perm), coef.double()[:, None] * s["e"].double()[s["r"].erow_s]
-    )
-    assert float(ref2) >= float(t_part.square().sum()) * (1 - 1e-5)
-    assert 0.5 <= float(ref2) / float(cc.grad.square().sum()) <= 2.0
 
 
 @pytest.mark.parametrize(
@@ -293,7 +257,7 @@ def test_error_rule_on_near_uniform_rows():
     skipped by the filter (no probability reaches eps = 2^-8, bf16's default) and the rank-1
     corrections' error is large (their first-order term, of relative size about std / sqrt(D),
     is missing); the default rules make enough slabs dense that dE and dC meet the issue's 5e-3
-    (the rule's target is 2.5e-3 on 32 of the 64 rows; twice that allows for the sampling)."""
+    (the rule's target is 2.5e-3 on the sampled rows; twice that allows for the sampling)."""
     g = torch.Generator().manual_seed(3)
     N, D, V = 64, 32, 3000
     e = torch.randn(N, D, generator=g) * 0.5**0.5 / D**0.25
