@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ... import _math
+from ...options import DEFAULT_TUNING as _T
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
@@ -118,10 +119,11 @@ def compact_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-    filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *, de_block_slots: int = 2,
-    dc_scratch_tiles: int | None = None, move_bytes: int = 8 << 20, return_plan: bool = False,
-    dense_slabs: bool = False, dense_kept: float = 0.25, slab_error: float = 2.5e-3,
-    dense_slab_bytes: int = 256 << 20,
+    filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *,
+    de_block_slots: int = _T.de_block_slots, dc_scratch_tiles: int | None = _T.dc_scratch_tiles,
+    move_bytes: int = _T.stash_move_bytes, return_plan: bool = False, dense_slabs: bool = False,
+    dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
+    dense_slab_bytes: int = _T.dense_slab_bytes,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
 
@@ -139,7 +141,9 @@ def sparse_backward(
     about ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs are
     kept, and those whose rank-1 corrections, measured on sampled rows, would leave more than
     ``slab_error`` relative error in dE) leave the plan and are done exactly by GEMM-shaped
-    kernels (kernels/dense_slabs.py); values of 1 or more turn a rule off.
+    kernels (kernels/dense_slabs.py); values of 1 or more turn a rule off. The keyword defaults
+    are Tuning's, except ``dense_slabs`` (off here: the sparse backward alone unless asked; the
+    custom op passes Tuning's, on by default).
     """
     V, D = c.shape
     dev = e2d.device
