@@ -18,24 +18,70 @@ softmax, about one token block's share of one matmul pass.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from .kernels.backward_exact import mm_f32
 from .kernels.dense_slabs import slab_products
-from .kernels.tile_stats import decode_tile_mass
+from .kernels.tile_stats import decode_tile_mass, tile_shares
 
-# Rows sampled by slab_errors (their relative error estimates the whole batch's; the standard
-# error of a ratio of norms over 32 rows is about 0.2 of it on the synthetic regimes). On
-# real-text hidden states the estimate falls short (dE 5.7e-3 measured against the 2.5e-3 aim
-# at mistral-7b's head, N = 32768, with 32 rows and with 64 alike: docs/benchmarks.md).
+# Rows sampled by slab_errors. Their weighted error estimates the whole batch's; rows are drawn
+# in proportion to their skipped mass (plus a uniform share), since on hidden states of a model
+# trained on real text a few rows with much skipped mass carry most of the error: evenly spaced
+# rows measured 2.3x less than the true dE error there (docs/benchmarks.md).
 ERROR_ROWS = 32
+# The uniform share of the sampling probability (keeps the estimate of ||dE|| itself, which
+# every row carries about alike, from resting on the heavy rows only).
+UNIFORM_SHARE = 0.5
+# Rows per chunk when summing each row's decoded tile masses (bounds the fp32 temporary).
+_MASS_ROWS = 8192
 
 
-def sample_positions(n_valid: torch.Tensor, N: int, k: int) -> torch.Tensor:
-    """k sorted-row positions spread evenly over the valid rows [0, n_valid), on the device."""
-    pos = torch.arange(k, device=n_valid.device) * n_valid.long() // max(k, 1)
-    return pos.clamp(max=max(N - 1, 0))
+class SlabErrors(NamedTuple):
+    """slab_errors' estimates (see there); the dC ones None without the mean-row logits."""
+
+    err: torch.Tensor  # fp32 [n_slabs, rows, D]
+    ref: torch.Tensor  # fp32 [rows, D]
+    dc_err2: torch.Tensor | None  # fp32 [n_slabs]
+    dc_ref2: torch.Tensor | None  # fp32 scalar
+
+
+def sample_rows(
+    code: torch.Tensor, alpha_s: torch.Tensor, n_valid: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pos, scale): k sorted-row positions and per-position weights, on the device.
+
+    With N <= k every row is taken once (scale 1). Otherwise systematic sampling with probability
+    pi_i = UNIFORM_SHARE / n_valid + (1 - UNIFORM_SHARE) m_i / sum(m) over the valid rows, m_i =
+    |alpha_i| times the row's decoded skipped mass (its corrections' size), deterministic (the
+    k quantiles (j + 1/2) / k of the cumulative pi; no random state is drawn); scale_i =
+    1 / sqrt(k pi_i), so that the sum over the sampled rows of scale^2 x (a row's squared norm) is
+    an unbiased estimate of the sum over all rows: slab_errors scales each row's error and
+    reference by it.
+    """
+    N = code.shape[0]
+    dev = code.device
+    if N <= k:
+        return torch.arange(N, device=dev), torch.ones(N, dtype=torch.float32, device=dev)
+    m = torch.empty(N, dtype=torch.float32, device=dev)
+    for s in range(0, N, _MASS_ROWS):
+        t = min(s + _MASS_ROWS, N)
+        m[s:t] = decode_tile_mass(code[s:t]).sum(1)
+    m.mul_(alpha_s.abs())
+    nv = n_valid.double().clamp(min=1)
+    uni = (torch.arange(N, device=dev) < n_valid.long()).double() / nv
+    mass = m.double()
+    total = mass.sum()
+    heavy = torch.where(total > 0, mass / total.clamp(min=1e-300), uni)
+    pi = UNIFORM_SHARE * uni + (1.0 - UNIFORM_SHARE) * heavy
+    cdf = pi.cumsum(0)
+    u = (torch.arange(k, device=dev, dtype=torch.float64) + 0.5) / k * cdf[-1]
+    pos = torch.searchsorted(cdf, u, right=True).clamp(max=N - 1)
+    p = pi.index_select(0, pos)
+    scale = torch.where(p > 0, (k * p).clamp(min=1e-300).rsqrt(), 0.0).float()
+    return pos, scale
 
 
 def slab_errors(
@@ -56,28 +102,38 @@ def slab_errors(
     BLOCK_V: int,
     width: int,
     rows: int = ERROR_ROWS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(err, ref) for ``rows`` sampled sorted rows i: err[s, i] (fp32 [n_slabs, rows, D]) is what
-    the rank-1 corrections of the skipped tiles of slab s (``width`` sorted positions) get wrong
-    in dE_i,
+    vscore: torch.Tensor | None = None,
+) -> SlabErrors:
+    """(err, ref) for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
+    each times its scale: err[s, i] (fp32 [n_slabs, rows, D]) is what the rank-1 corrections of
+    the skipped tiles of slab s (``width`` sorted positions) get wrong in dE_i,
 
         err[s, i] = sum_{skipped j in s} ( sum_{v in j, v != t_i} dZ_iv c_v - alpha_i S'_ij mean(C_j) ),
 
     with dZ_iv = alpha_i p_iv softcap'(z_iv) and S'_ij the decoded mass the sparse backward uses;
     ref[i] (fp32 [rows, D]) is the exact sum_v dZ_iv c_v with the target term (alpha p_t -
     beta) softcap'. Sorted rows past n_valid count with alpha = beta = 0.
+
+    With ``vscore`` (the forward's mean-row logits, sorted positions) the dC side as well:
+    dc_err2[s] estimates ||what the corrections q_v G_j of slab s get wrong in dC||_F^2 and
+    dc_ref2 ||dC||_F^2. dC's rows sum over every token, so these are quadratic forms over pairs
+    of rows, sum_{i, l} (a_i . a_l)(e_i . e_l) with a_i = row i's error weights over the slab's
+    classes (or its whole dZ row for the reference): estimated from the sampled rows' Gram
+    matrices, the diagonal and the cross terms each unbiased (cross_pairs); exact when every row
+    is sampled. Slabs hold disjoint classes, so their dC errors add in squares.
     """
     N, nt = code.shape
     V, D = c.shape
     dev = c.device
-    k = min(rows, N)
-    pos = sample_positions(n_valid, N, k)
-    ok = (pos < n_valid.long()).float()
+    pos, scale = sample_rows(code, alpha_s, n_valid, rows)
+    k = pos.numel()
+    ok = (pos < n_valid.long()).float() * scale
     a = alpha_s.index_select(0, pos) * ok
     b = beta_s.index_select(0, pos) * ok
     t = t_s.index_select(0, pos).long()[:, None]
     vp = vperm.long()
-    z = mm_f32(e2d.index_select(0, erow_s.index_select(0, pos)), c.T, None)  # [k, V]
+    es = e2d.index_select(0, erow_s.index_select(0, pos))
+    z = mm_f32(es, c.T, None)  # [k, V]
     if bias is not None:
         z += bias.float()[None, :]
     d = None
@@ -103,7 +159,36 @@ def slab_errors(
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
     err = slab_products(w, c, vperm, width)
     ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
-    return err, ref
+    if vscore is None:
+        return SlabErrors(err, ref, None, None)
+    # dC: the corrections put alpha_i S'_ij q_v on class v of a skipped tile (mean(C_j)'s weights
+    # 1 / |j| above become q_v); past V both are 0.
+    q = tile_shares(vscore, BLOCK_V).view(1, nt, BLOCK_V)
+    w3.add_(S[:, :, None] * (1.0 / size[None, :, None] - q))
+    n_slabs = err.shape[0]
+    a = F.pad(w, (0, n_slabs * width - nt * BLOCK_V)).view(k, n_slabs, width).transpose(0, 1)
+    gram = mm_f32(es, es.T, None)  # [k, k] e_i . e_l
+    drawn = None if N <= rows else pos  # N <= rows: every row once
+    dc_err2 = cross_pairs(torch.bmm(a, a.transpose(1, 2)) * gram, scale, drawn).clamp(min=0)
+    dc_ref2 = cross_pairs((full @ full.T) * gram, scale, drawn)
+    return SlabErrors(err, ref, dc_err2, dc_ref2)
+
+
+def cross_pairs(Q: torch.Tensor, scale: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+    """The estimate of sum_{i, l} x_il over all rows from Q[..., a, b] = scale_a scale_b x_{i_a i_b}
+    over k rows i_a = pos[a] drawn with probability pi_i (scale = 1 / sqrt(k pi)): the diagonal
+    sum_a Q_aa for sum_i x_ii, plus k / (k - 1) sum over the pairs a != b of different rows of
+    Q_ab scale_a scale_b for the cross terms (an ordered pair of independent draws, weighted
+    1 / (k (k - 1) pi_a pi_b), estimates sum_{i != l} x_il). ``pos`` None (every row once,
+    scale 1): the plain sum."""
+    if pos is None:
+        return Q.sum((-2, -1))
+    k = Q.shape[-1]
+    diag = Q.diagonal(dim1=-2, dim2=-1).sum(-1)
+    if k < 2:
+        return diag
+    w = (scale[:, None] * scale[None, :]) * (pos[:, None] != pos[None, :])
+    return diag + (Q * w).sum((-2, -1)) * (k / (k - 1))
 
 
 def dense_slab_flags(
@@ -114,15 +199,17 @@ def dense_slab_flags(
     tiles_per_slab: int,
     dense_kept: float,
     slab_error: float,
-    errors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    errors: SlabErrors | None = None,
 ) -> torch.Tensor:
     """int8 [n_slabs] on the device, 1 for the slabs of ``tiles_per_slab`` vocabulary tiles (in
     the sorted order) that the sparse backward does densely; no host synchronisation.
 
     A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
-    tile) pairs. With ``errors`` (slab_errors' (err, ref)), the other slabs are taken in order of
-    decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
-    ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up).
+    tile) pairs. With ``errors`` (slab_errors), the other slabs are taken in order of decreasing
+    ||err[s]|| and made dense until the sum of the remaining slabs' err is at most ``slab_error``
+    ||ref|| (dE: the vector sum, errors of different slabs may cancel or add up); with its dC
+    estimates, likewise in order of decreasing dc_err2 until the rest's sum is at most
+    slab_error^2 dc_ref2 (dC: slabs hold disjoint classes). A slab is dense if any rule says so.
     """
     nt = code.shape[1]
     dev = code.device
@@ -134,13 +221,26 @@ def dense_slab_flags(
     dense = kept / (blocks * tiles) >= dense_kept
     if errors is None:
         return dense.to(torch.int8)
-    err, ref = errors
-    err = err * (~dense).float()[:, None, None]  # dense slabs are exact
+    sparse = (~dense).float()  # dense slabs are exact
+    err = errors.err * sparse[:, None, None]
     order = torch.argsort(err.flatten(1).norm(dim=1), descending=True)
     cum = err.index_select(0, order).cumsum(0)
     # rem[m]: the error left when the first m slabs of `order` are dense (rem[n_slabs] = 0).
     rem = torch.cat([cum[-1].norm().reshape(1), (cum[-1][None] - cum).flatten(1).norm(dim=1)])
-    m = (rem <= slab_error * ref.norm()).int().argmax()  # the first m that meets the target
+    chosen = _first_of_order(order, rem <= slab_error * errors.ref.norm())
+    if errors.dc_err2 is not None:
+        e2 = errors.dc_err2 * sparse
+        order = torch.argsort(e2, descending=True)
+        rem2 = e2.sum() - torch.cat([e2.new_zeros(1), e2.index_select(0, order).cumsum(0)])
+        rem2[-1] = 0.0  # every slab dense (cumsum's rounding aside)
+        chosen |= _first_of_order(order, rem2 <= slab_error**2 * errors.dc_ref2.clamp(min=0))
+    return (dense | chosen).to(torch.int8)
+
+
+def _first_of_order(order: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """bool [n]: the first m slabs of ``order``, m the first index where ``ok`` (bool [n + 1],
+    ok[n] true: every slab dense leaves no error) holds."""
+    m = ok.int().argmax()
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(n_slabs, device=dev)
-    return (dense | (rank < m)).to(torch.int8)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return rank < m
