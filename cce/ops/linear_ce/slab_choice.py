@@ -18,14 +18,12 @@ softmax, about one token block's share of one matmul pass.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from .kernels.backward_exact import mm_f32
 from .kernels.dense_slabs import slab_products
-from .kernels.tile_stats import decode_tile_mass, tile_shares
+from .kernels.tile_stats import decode_tile_mass
 
 # Rows sampled by slab_errors. Their weighted error estimates the whole batch's; rows are drawn
 # in proportion to their skipped mass (plus a uniform share), since on hidden states of a model
@@ -37,15 +35,6 @@ ERROR_ROWS = 32
 UNIFORM_SHARE = 0.5
 # Rows per chunk when summing each row's decoded tile masses (bounds the fp32 temporary).
 _MASS_ROWS = 8192
-
-
-class SlabErrors(NamedTuple):
-    """slab_errors' estimates (see there); the dC ones None without the mean-row logits."""
-
-    err: torch.Tensor  # fp32 [n_slabs, rows, D]
-    ref: torch.Tensor  # fp32 [rows, D]
-    dc_err2: torch.Tensor | None  # fp32 [n_slabs]
-    dc_ref2: torch.Tensor | None  # fp32 scalar
 
 
 def sample_rows(
@@ -102,8 +91,7 @@ def slab_errors(
     BLOCK_V: int,
     width: int,
     rows: int = ERROR_ROWS,
-    vscore: torch.Tensor | None = None,
-) -> SlabErrors:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(err, ref) for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] (fp32 [n_slabs, rows, D]) is what the rank-1 corrections of
     the skipped tiles of slab s (``width`` sorted positions) get wrong in dE_i,
@@ -113,14 +101,6 @@ def slab_errors(
     with dZ_iv = alpha_i p_iv softcap'(z_iv) and S'_ij the decoded mass the sparse backward uses;
     ref[i] (fp32 [rows, D]) is the exact sum_v dZ_iv c_v with the target term (alpha p_t -
     beta) softcap'. Sorted rows past n_valid count with alpha = beta = 0.
-
-    With ``vscore`` (the forward's mean-row logits, sorted positions) the dC side as well:
-    dc_err2[s] estimates ||what the corrections q_v G_j of slab s get wrong in dC||_F^2 and
-    dc_ref2 ||dC||_F^2. dC's rows sum over every token, so these are quadratic forms over pairs
-    of rows, sum_{i, l} (a_i . a_l)(e_i . e_l) with a_i = row i's error weights over the slab's
-    classes (or its whole dZ row for the reference): estimated from the sampled rows' Gram
-    matrices, the diagonal and the cross terms each unbiased (cross_pairs); exact when every row
-    is sampled. Slabs hold disjoint classes, so their dC errors add in squares.
     """
     N, nt = code.shape
     V, D = c.shape
@@ -132,8 +112,7 @@ def slab_errors(
     b = beta_s.index_select(0, pos) * ok
     t = t_s.index_select(0, pos).long()[:, None]
     vp = vperm.long()
-    es = e2d.index_select(0, erow_s.index_select(0, pos))
-    z = mm_f32(es, c.T, None)  # [k, V]
+    z = mm_f32(e2d.index_select(0, erow_s.index_select(0, pos)), c.T, None)  # [k, V]
     if bias is not None:
         z += bias.float()[None, :]
     d = None
@@ -159,36 +138,7 @@ def slab_errors(
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
     err = slab_products(w, c, vperm, width)
     ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
-    if vscore is None:
-        return SlabErrors(err, ref, None, None)
-    # dC: the corrections put alpha_i S'_ij q_v on class v of a skipped tile (mean(C_j)'s weights
-    # 1 / |j| above become q_v); past V both are 0.
-    q = tile_shares(vscore, BLOCK_V).view(1, nt, BLOCK_V)
-    w3.add_(S[:, :, None] * (1.0 / size[None, :, None] - q))
-    n_slabs = err.shape[0]
-    a = F.pad(w, (0, n_slabs * width - nt * BLOCK_V)).view(k, n_slabs, width).transpose(0, 1)
-    gram = mm_f32(es, es.T, None)  # [k, k] e_i . e_l
-    drawn = None if N <= rows else pos  # N <= rows: every row once
-    dc_err2 = cross_pairs(torch.bmm(a, a.transpose(1, 2)) * gram, scale, drawn).clamp(min=0)
-    dc_ref2 = cross_pairs((full @ full.T) * gram, scale, drawn)
-    return SlabErrors(err, ref, dc_err2, dc_ref2)
-
-
-def cross_pairs(Q: torch.Tensor, scale: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
-    """The estimate of sum_{i, l} x_il over all rows from Q[..., a, b] = scale_a scale_b x_{i_a i_b}
-    over k rows i_a = pos[a] drawn with probability pi_i (scale = 1 / sqrt(k pi)): the diagonal
-    sum_a Q_aa for sum_i x_ii, plus k / (k - 1) sum over the pairs a != b of different rows of
-    Q_ab scale_a scale_b for the cross terms (an ordered pair of independent draws, weighted
-    1 / (k (k - 1) pi_a pi_b), estimates sum_{i != l} x_il). ``pos`` None (every row once,
-    scale 1): the plain sum."""
-    if pos is None:
-        return Q.sum((-2, -1))
-    k = Q.shape[-1]
-    diag = Q.diagonal(dim1=-2, dim2=-1).sum(-1)
-    if k < 2:
-        return diag
-    w = (scale[:, None] * scale[None, :]) * (pos[:, None] != pos[None, :])
-    return diag + (Q * w).sum((-2, -1)) * (k / (k - 1))
+    return err, ref
 
 
 def dense_slab_flags(
@@ -199,48 +149,33 @@ def dense_slab_flags(
     tiles_per_slab: int,
     dense_kept: float,
     slab_error: float,
-    errors: SlabErrors | None = None,
+    errors: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """int8 [n_slabs] on the device, 1 for the slabs of ``tiles_per_slab`` vocabulary tiles (in
     the sorted order) that the sparse backward does densely; no host synchronisation.
 
     A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
-    tile) pairs. With ``errors`` (slab_errors), the other slabs are taken in order of decreasing
-    ||err[s]|| and made dense until the sum of the remaining slabs' err is at most ``slab_error``
-    ||ref|| (dE: the vector sum, errors of different slabs may cancel or add up); with its dC
-    estimates, likewise in order of decreasing dc_err2 until the rest's sum is at most
-    slab_error^2 dc_ref2 (dC: slabs hold disjoint classes). A slab is dense if any rule says so.
+    tile) pairs. With ``errors`` (slab_errors' (err, ref)), the other slabs are taken in order of
+    decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
+    ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up).
     """
     nt = code.shape[1]
     dev = code.device
     n_slabs = -(-nt // tiles_per_slab)
     pad = n_slabs * tiles_per_slab - nt
-    kept = F.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
     blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
     tiles = F.pad(torch.ones(nt, device=dev), (0, pad)).view(n_slabs, -1).sum(1)
+    kept = F.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
     dense = kept / (blocks * tiles) >= dense_kept
     if errors is None:
         return dense.to(torch.int8)
-    sparse = (~dense).float()  # dense slabs are exact
-    err = errors.err * sparse[:, None, None]
+    err, ref = errors
+    err = err * (~dense).float()[:, None, None]  # dense slabs are exact
     order = torch.argsort(err.flatten(1).norm(dim=1), descending=True)
     cum = err.index_select(0, order).cumsum(0)
     # rem[m]: the error left when the first m slabs of `order` are dense (rem[n_slabs] = 0).
     rem = torch.cat([cum[-1].norm().reshape(1), (cum[-1][None] - cum).flatten(1).norm(dim=1)])
-    chosen = _first_of_order(order, rem <= slab_error * errors.ref.norm())
-    if errors.dc_err2 is not None:
-        e2 = errors.dc_err2 * sparse
-        order = torch.argsort(e2, descending=True)
-        rem2 = e2.sum() - torch.cat([e2.new_zeros(1), e2.index_select(0, order).cumsum(0)])
-        rem2[-1] = 0.0  # every slab dense (cumsum's rounding aside)
-        chosen |= _first_of_order(order, rem2 <= slab_error**2 * errors.dc_ref2.clamp(min=0))
-    return (dense | chosen).to(torch.int8)
-
-
-def _first_of_order(order: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """bool [n]: the first m slabs of ``order``, m the first index where ``ok`` (bool [n + 1],
-    ok[n] true: every slab dense leaves no error) holds."""
-    m = ok.int().argmax()
+    m = (rem <= slab_error * ref.norm()).int().argmax()  # the first m that meets the target
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    return rank < m
+    rank[order] = torch.arange(n_slabs, device=dev)
+    return (dense | (rank < m)).to(torch.int8)

@@ -17,7 +17,7 @@ from .kernels.backward_exact import linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
 from .kernels.common import inverse_permutation, slab_tiles, stats_blocks
 from .kernels.stash import stash_code
-from .kernels.tile_stats import decode_tile_mass, tile_means, tile_shares
+from .kernels.tile_stats import decode_tile_mass, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
 from .slab_choice import dense_slab_flags, slab_errors
 
@@ -185,7 +185,7 @@ def sparse_backward(
         if slab_error < 1:
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
-                BN, BV, tps * BV, vscore=vscore if need_dc else None,
+                BN, BV, tps * BV,
             )  # fmt: skip
         dense = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors)
         del errors
@@ -261,7 +261,9 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
         else:
             G += S.T @ E_c.float()
     # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
-    q = tile_shares(vscore, BV)[:V].contiguous()
+    sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
+    sc[:V] = vscore
+    q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V].contiguous()
     tp = inverse_permutation(vperm.long()).index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)

@@ -30,7 +30,6 @@ from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 from cce.ops.linear_ce.slab_choice import (  # noqa: E402
     ERROR_ROWS,
     UNIFORM_SHARE,
-    cross_pairs,
     dense_slab_flags,
     sample_rows,
     slab_errors,
@@ -93,7 +92,7 @@ def _errors(s, width, rows=ERROR_ROWS):
     BN, BV = stats_blocks(torch.float32)
     return slab_errors(
         s["e"], s["c"], s["bias"], s["r"].erow_s, s["t_s"], s["lse_s"], s["alpha_s"], s["beta_s"], s["code"],
-        s["keep"], s["vperm"], s["r"].n_valid, s["softcap"], BN, BV, width, rows, vscore=s["out"][6],
+        s["keep"], s["vperm"], s["r"].n_valid, s["softcap"], BN, BV, width, rows,
     )  # fmt: skip
 
 
@@ -107,7 +106,7 @@ def test_slab_errors_against_float64(softcap, bias):
     s = _setup(N, D, V, seed=1, eps=2e-3, tuning=Tuning(backward="sparse"), bias=b, softcap=softcap)
     BN, BV = stats_blocks(torch.float32)
     width = 2 * BV
-    err, ref, *_ = _errors(s, width, rows=20)
+    err, ref = _errors(s, width, rows=20)
     r = s["r"]
     pos, scale = sample_rows(s["code"], s["alpha_s"], r.n_valid, 20)
     E = s["e"].double()[r.erow_s[pos]]
@@ -146,9 +145,7 @@ def test_slab_errors_against_float64(softcap, bias):
 def test_flags_follow_the_rule(dense_kept, slab_error, slab_bytes):
     """dense_slab_flags against the rule recomputed in float64: the kept-share slabs, then the
     slabs of largest corrections error until the vector sum of the rest is within slab_error of
-    the exact gradient (dE), and those of largest dC error until the rest's squares sum to within
-    slab_error^2 of dC's (with ignored rows, a partial last token block and a partial last
-    slab)."""
+    the exact gradient (with ignored rows, a partial last token block and a partial last slab)."""
     N, V = 90, 700
     tu = Tuning(backward="sparse", dense_slabs=True, dense_kept=dense_kept, slab_error=slab_error)
     s = _setup(N, 32, V, seed=1, eps=2e-3, tuning=tu)
@@ -164,17 +161,11 @@ def test_flags_follow_the_rule(dense_kept, slab_error, slab_bytes):
         frac = float(s["keep"][:, s0:s1].double().sum()) / (nvb * (s1 - s0))
         want.append(frac >= dense_kept)
     if errors is not None:
-        err, ref, e2, r2 = (x.double() for x in errors)
+        err, ref = (x.double() for x in errors)
         left = [i for i, w in enumerate(want) if not w]
         left.sort(key=lambda i: -float(err[i].norm()))
-        chosen = set()
         while left and float(sum(err[i] for i in left).norm()) > slab_error * float(ref.norm()):
-            chosen.add(left.pop(0))
-        left = [i for i, w in enumerate(want) if not w]  # dC: squares add, the same rule
-        left.sort(key=lambda i: -float(e2[i]))
-        while left and float(sum(e2[i] for i in left)) > slab_error**2 * float(r2.clamp(min=0)):
-            chosen.add(left.pop(0))
-        want = [w or i in chosen for i, w in enumerate(want)]
+            want[left.pop(0)] = True
     assert got.tolist() == [int(w) for w in want]
     assert got.dtype == torch.int8
 
@@ -299,48 +290,6 @@ def test_sample_rows():
     pi = UNIFORM_SHARE / 150 + (1 - UNIFORM_SHARE)
     assert abs(int(heavy.sum()) - k * pi) <= 1 and int(pos.max()) < 150
     assert torch.allclose(scale[heavy], torch.full((int(heavy.sum()),), (k * pi) ** -0.5))
-    assert torch.allclose(scale[~heavy], torch.full((int((~heavy).sum()),), (k * UNIFORM_SHARE / 150) ** -0.5))
-
-
-def test_dc_estimate_exact_when_every_row_is_sampled():
-    """With every row sampled (N <= ERROR_ROWS) slab_errors' dC estimates are exact: dc_err2[s]
-    is the squared error of the sparse backward's dC on slab s's classes (no slab dense), and
-    dc_ref2 the squared norm of the exact dC (float64 oracle; fp32 products: 1e-4 relative on
-    the squares). And cross_pairs, from sampled rows, is unbiased for a sum over row pairs."""
-    N, D, V = 30, 24, 1500
-    eps = 2e-2  # coarse: corrections carry much of the mass
-    s = _setup(N, D, V, seed=3, eps=eps, tuning=Tuning(backward="sparse"))
-    BN, BV = stats_blocks(torch.float32)
-    nt = s["code"].shape[1]
-    width = 2 * BV
-    got = slab_errors(
-        s["e"], s["c"], None, s["r"].erow_s, s["t_s"], s["lse_s"], s["alpha_s"], s["beta_s"], s["code"],
-        s["keep"], s["vperm"], s["r"].n_valid, 0.0, BN, BV, width, vscore=s["out"][6],
-    )  # fmt: skip
-    out = s["out"]
-    args = (s["e"], s["c"], None, None, None, s["t"], out[1], s["g"], None, -100, 0.0, 0.0, 0.0, eps, True, True)
-    _, dC = sparse_backward(*args, *out[2:], **OFF)
-    cc = s["c"].double().requires_grad_()
-    loss = linear_cross_entropy_reference(s["e"].double(), cc, s["t"], reduction="none")
-    (loss * s["g"].double()).sum().backward()
-    diff = dC.double() - cc.grad
-    pos_of = torch.empty(V, dtype=torch.long)
-    pos_of[s["vperm"].long()] = torch.arange(V)
-    slab = pos_of // width
-    want = torch.zeros(got.dc_err2.numel(), dtype=torch.float64).index_add_(0, slab, diff.pow(2).sum(1))
-    assert want.sum() > 1e-4 * cc.grad.pow(2).sum()  # the corrections err visibly (1% relative)
-    assert torch.allclose(got.dc_err2.double(), want, rtol=1e-4, atol=1e-8 * float(want.max()))
-    assert abs(float(got.dc_ref2) / float(cc.grad.pow(2).sum()) - 1) < 1e-4
-    # cross_pairs: x_il = u_i u_l over 5 rows, every ordered pair of 3 draws with replacement,
-    # weighted by the draws' probabilities, averages to sum x.
-    u = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5], dtype=torch.float64)
-    pi = torch.tensor([0.1, 0.3, 0.2, 0.25, 0.15], dtype=torch.float64)
-    mean = 0.0
-    for i in range(5):
-        for j in range(5):
-            for m in range(5):
-                d = torch.tensor([i, j, m])
-                sc = (3 * pi[d]).rsqrt()
-                Q = (u[d, None] * u[None, d]) * sc[:, None] * sc[None, :]
-                mean += float(pi[d].prod()) * float(cross_pairs(Q, sc, d))
-    assert abs(mean - float(u.sum() ** 2)) < 1e-9
+    assert torch.allclose(
+        scale[~heavy], torch.full((int((~heavy).sum()),), (k * UNIFORM_SHARE / 150) ** -0.5)
+    )

@@ -106,16 +106,6 @@ def decode_tile_mass(code: torch.Tensor) -> torch.Tensor:
     return torch.where(x < 255, torch.exp(-x / STATS_STEPS), 0.0)
 
 
-def tile_shares(vscore: torch.Tensor, BLOCK_V: int) -> torch.Tensor:
-    """fp32 [n_tiles * BLOCK_V]: how the dC correction of a skipped tile spreads over its classes,
-    the softmax of the mean-row logits ``vscore`` (sorted positions) within each tile; 0 past V."""
-    V = vscore.numel()
-    nt = -(-V // BLOCK_V)
-    sc = torch.full((nt * BLOCK_V,), float("-inf"), dtype=torch.float32, device=vscore.device)
-    sc[:V] = vscore
-    return torch.softmax(sc.view(nt, BLOCK_V), dim=1).reshape(-1)
-
-
 @triton.jit
 def _tile_means_kernel(
     C, Perm, Cm, V, D, stride_c, stride_cm, d_lo, d_hi, BLOCK_V: tl.constexpr, BLOCK_DO: tl.constexpr
