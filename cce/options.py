@@ -77,6 +77,12 @@ class Tuning:
         slab_error: ... and the slabs whose rank-1 corrections err the most, measured on
             sampled rows, are dense until the corrections' relative error in dE is at most this
             (cce/ops/linear_ce/slab_choice.py); 1 or more: never for this reason.
+        first_order: whether the error rule of the dense slabs may instead apply the skipped
+            tiles' first-order corrections (cce/ops/linear_ce/kernels/first_order.py): one
+            D x D Gram matrix of C and one of the rows, about 2 D / N of a logits pass, chosen
+            on the device where they and the slabs the rule still needs cost less than the
+            slabs the rank-1 corrections alone need (near-uniform softmaxes: an untrained
+            model, random logits).
         dense_slab_bytes: bytes of the dZ slab of the dense slabs (with the gated launches per
             slab, larger slabs cost fewer host launches and fill the GPU better:
             docs/benchmarks.md).
@@ -98,6 +104,7 @@ class Tuning:
     dense_kept: float = 0.25
     slab_error: float = 2.5e-3
     dense_slab_bytes: int = 256 << 20
+    first_order: bool = True
     sparse_min_flops: float | None = None
 
     def __post_init__(self) -> None:
@@ -109,8 +116,9 @@ class Tuning:
         _check_positive_int("stash_move_bytes", self.stash_move_bytes)
         _check_positive_int("dc_scratch_tiles", self.dc_scratch_tiles, allow_none=True)
         _check_positive_int("dense_slab_bytes", self.dense_slab_bytes)
-        if not isinstance(self.dense_slabs, bool):
-            raise ValueError(f"dense_slabs must be a bool, got {self.dense_slabs!r}")
+        for name in ("dense_slabs", "first_order"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("dense_kept", "slab_error"):
             x = getattr(self, name)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:

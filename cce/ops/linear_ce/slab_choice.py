@@ -91,8 +91,9 @@ def slab_errors(
     BLOCK_V: int,
     width: int,
     rows: int = ERROR_ROWS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(err, ref) for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
+    cm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(err, ref, fo) for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] (fp32 [n_slabs, rows, D]) is what the rank-1 corrections of
     the skipped tiles of slab s (``width`` sorted positions) get wrong in dE_i,
 
@@ -101,6 +102,12 @@ def slab_errors(
     with dZ_iv = alpha_i p_iv softcap'(z_iv) and S'_ij the decoded mass the sparse backward uses;
     ref[i] (fp32 [rows, D]) is the exact sum_v dZ_iv c_v with the target term (alpha p_t -
     beta) softcap'. Sorted rows past n_valid count with alpha = beta = 0.
+
+    With ``cm`` (fp32 [n_tiles, D], the tile means of the sorted vocabulary) also fo[s, i]
+    (fp32 [n_slabs, rows, D]), the part of the first-order term (kernels/first_order.py) that
+    slab s's skipped tiles give dE_i: (alpha_i S'_is / V) G e_i, S'_is the row's decoded mass
+    in the slab and G e_i = sum_v (e_i . (c_v - mean(C_j(v)))) c_v computed exactly for the
+    row (so err - fo is what the corrections with that term get wrong); else None.
     """
     N, nt = code.shape
     V, D = c.shape
@@ -112,7 +119,14 @@ def slab_errors(
     b = beta_s.index_select(0, pos) * ok
     t = t_s.index_select(0, pos).long()[:, None]
     vp = vperm.long()
-    z = mm_f32(e2d.index_select(0, erow_s.index_select(0, pos)), c.T, None)  # [k, V]
+    es = e2d.index_select(0, erow_s.index_select(0, pos))
+    z = mm_f32(es, c.T, None)  # [k, V]
+    x = None
+    if cm is not None:  # x_iv = e_i . (c_v - mean(C_j)), sorted positions, 0 past V
+        x = torch.zeros((k, nt * BLOCK_V), dtype=torch.float32, device=dev)
+        x[:, :V] = z.index_select(1, vperm.long())
+        x.view(k, nt, BLOCK_V).sub_(mm_f32(es, cm.T.to(es.dtype), None)[:, :, None])
+        x[:, V:] = 0.0
     if bias is not None:
         z += bias.float()[None, :]
     d = None
@@ -138,7 +152,13 @@ def slab_errors(
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
     err = slab_products(w, c, vperm, width)
     ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
-    return err, ref
+    if x is None:
+        return err, ref, None
+    gx = slab_products(x, c, vperm, width).sum(0)  # [k, D]: G e_i
+    n_slabs = err.shape[0]
+    per_slab = F.pad(S, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)  # [k, n_slabs]
+    fo = (per_slab.T / V)[:, :, None] * gx[None]
+    return err, ref, fo
 
 
 def dense_slab_flags(
@@ -149,15 +169,20 @@ def dense_slab_flags(
     tiles_per_slab: int,
     dense_kept: float,
     slab_error: float,
-    errors: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """int8 [n_slabs] on the device, 1 for the slabs of ``tiles_per_slab`` vocabulary tiles (in
-    the sorted order) that the sparse backward does densely; no host synchronisation.
+    errors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    first_order_cost: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense, first_order) on the device, no host synchronisation: dense int8 [n_slabs], 1 for
+    the slabs of ``tiles_per_slab`` vocabulary tiles (in the sorted order) that the sparse
+    backward does densely; first_order int32 [1], 1 where it applies the first-order terms.
 
     A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
-    tile) pairs. With ``errors`` (slab_errors' (err, ref)), the other slabs are taken in order of
-    decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
-    ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up).
+    tile) pairs. With ``errors`` (slab_errors' (err, ref, fo)), the other slabs are taken in
+    order of decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is
+    at most ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add
+    up). With fo and ``first_order_cost`` (the first-order terms' cost in dense slabs), the same
+    rule on err - fo as well; the first-order terms are applied, with that rule's slabs, where
+    they and its slabs cost less than the first rule's slabs.
     """
     nt = code.shape[1]
     dev = code.device
@@ -167,15 +192,29 @@ def dense_slab_flags(
     tiles = F.pad(torch.ones(nt, device=dev), (0, pad)).view(n_slabs, -1).sum(1)
     kept = F.pad(keep.sum(0, dtype=torch.float32), (0, pad)).view(n_slabs, -1).sum(1)
     dense = kept / (blocks * tiles) >= dense_kept
+    off = torch.zeros(1, dtype=torch.int32, device=dev)
     if errors is None:
-        return dense.to(torch.int8)
-    err, ref = errors
-    err = err * (~dense).float()[:, None, None]  # dense slabs are exact
+        return dense.to(torch.int8), off
+    err, ref, fo = errors
+    sparse = (~dense).float()[:, None, None]  # dense slabs are exact
+    bound = slab_error * ref.norm()
+    chosen = _worst_until(err * sparse, bound)
+    if fo is None or first_order_cost is None:
+        return (dense | chosen).to(torch.int8), off
+    chosen_fo = _worst_until((err - fo) * sparse, bound)
+    use = chosen_fo.sum() + first_order_cost < chosen.sum()
+    return (dense | torch.where(use, chosen_fo, chosen)).to(torch.int8), use.int().reshape(1)
+
+
+def _worst_until(err: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """bool [n_slabs]: the slabs of largest ||err[s]|| (err [n_slabs, rows, D]), as few as leave
+    the norm of the other slabs' summed err at most ``bound``."""
+    n_slabs = err.shape[0]
     order = torch.argsort(err.flatten(1).norm(dim=1), descending=True)
     cum = err.index_select(0, order).cumsum(0)
     # rem[m]: the error left when the first m slabs of `order` are dense (rem[n_slabs] = 0).
     rem = torch.cat([cum[-1].norm().reshape(1), (cum[-1][None] - cum).flatten(1).norm(dim=1)])
-    m = (rem <= slab_error * ref.norm()).int().argmax()  # the first m that meets the target
+    m = (rem <= bound).int().argmax()  # the first m that meets the target
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(n_slabs, device=dev)
-    return (dense | (rank < m)).to(torch.int8)
+    rank[order] = torch.arange(n_slabs, device=err.device)
+    return rank < m

@@ -13,9 +13,10 @@ import torch
 from ... import _math
 from ...options import DEFAULT_TUNING as _T
 from .kernels import backward_sparse as KS
-from .kernels.backward_exact import linear_ce_backward_exact
+from .kernels.backward_exact import linear_ce_backward_exact, mm_f32
 from .kernels.backward_recompute import linear_ce_backward_recompute
 from .kernels.common import inverse_permutation, slab_tiles, stats_blocks
+from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
@@ -123,7 +124,7 @@ def sparse_backward(
     de_block_slots: int = _T.de_block_slots, dc_scratch_tiles: int | None = _T.dc_scratch_tiles,
     move_bytes: int = _T.stash_move_bytes, return_plan: bool = False, dense_slabs: bool = False,
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
-    dense_slab_bytes: int = _T.dense_slab_bytes,
+    dense_slab_bytes: int = _T.dense_slab_bytes, first_order: bool = _T.first_order,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
 
@@ -144,6 +145,10 @@ def sparse_backward(
     kernels (kernels/dense_slabs.py); values of 1 or more turn a rule off. The keyword defaults
     are Tuning's, except ``dense_slabs`` (off here: the sparse backward alone unless asked; the
     custom op passes Tuning's, on by default).
+
+    With ``first_order`` as well (and the error rule on), the device may apply the skipped
+    tiles' first-order terms instead of (some) dense slabs, where they cost less
+    (kernels/first_order.py, slab_choice.dense_slab_flags).
     """
     V, D = c.shape
     dev = e2d.device
@@ -179,16 +184,21 @@ def sparse_backward(
     coef = torch.where(valid_s, coef, 0.0)
     keep = keep.bool()
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
-    dense = live = None
+    dense = live = fo = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1):
-        errors = None
+        errors = cost = cm = None
         if slab_error < 1:
+            if first_order:
+                cm = tile_means(c, vperm, BV, f32)
+                cost = first_order_cost(N, V, D, tps * BV)
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
-                BN, BV, tps * BV,
+                BN, BV, tps * BV, cm=cm,
             )  # fmt: skip
-        dense = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors)
+        dense, flag = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost)
         del errors
+        if cm is not None:
+            fo = first_order_terms(c, cm, vperm, flag, BV)
         # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
         # and _dc_inputs mask them; the forward's codes are not modified).
         live = (dense == 0).repeat_interleave(tps)[:nt]
@@ -204,7 +214,7 @@ def sparse_backward(
         if smooth:
             wc = weighted_rows(w, c)
     if need_dc:
-        dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live)
+        dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo)
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
     cap = KS.kept_scratch_tiles(N, e2d.dtype, dc_scratch_tiles) if need_dc else 0
@@ -220,7 +230,7 @@ def sparse_backward(
     del dc_in
     plan = KS.SparsePlan(
         keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
-        ge, gidx.view(keep.shape), klist, n_kept,
+        ge, gidx.view(keep.shape), klist, n_kept, fo,
     )  # fmt: skip
     del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
     dE, dC = KS.linear_ce_backward_sparse(
@@ -233,13 +243,27 @@ def sparse_backward(
     return dE, dC
 
 
-def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None):
+def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
+    """The first-order terms' dE operands (kernels/first_order.py): Gbar = (C^T C - sum_j |j|
+    mean(C_j) mean(C_j)^T) / V from the gated Gram kernel (zeros where ``flag`` is 0), in the
+    operand dtype with its scale; the dC ones are filled in by _dc_inputs."""
+    V = c.shape[0]
+    cnt = (V - BV * torch.arange(cm.shape[0], device=c.device)).clamp(max=BV).float()
+    g = gram(c, flag).sub_((cm * cnt[:, None]).T @ cm).div_(V)
+    gn, gs = normalized(g, c.dtype)
+    return FirstOrder(flag, gn, gs, cm)
+
+
+def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None, fo=None):
     """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
     kernels.backward_sparse.SparsePlan.
 
     ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
     count. Built in this function so that nothing but the plan holds them (the launcher releases them
-    once dC is written, before dE and the tile means are allocated)."""
+    once dC is written, before dE and the tile means are allocated). With ``fo`` (FirstOrder)
+    also its dC operands H = sum_i alpha_i S_i e_i e_i^T, rate and tile_of, and where its flag is
+    set the zeroth-order spread q is uniform over the tile (the first-order term carries what
+    the mean-row softmax spread would)."""
     N, nt = code.shape
     V, D = vperm.numel(), e2d.shape[1]
     dev, f32 = e2d.device, torch.float32
@@ -248,23 +272,39 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
     list_c, cnt_c = compact_lists(keep.T.contiguous())
     # G_j = sum_i alpha_i S_ij e_i over the rows whose tile j is skipped.
     G = torch.zeros(nt, D, dtype=f32, device=dev)
+    if fo is not None:
+        H = torch.zeros(D, D, dtype=f32, device=dev)
+        mass = torch.zeros(nt, dtype=f32, device=dev)
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
     for s in range(0, N, _SPARSE_ROWS):
         t = min(s + _SPARSE_ROWS, N)
         # 0 for kept tiles and ignored rows (code 255)
-        S = decode_tile_mass(code[s:t]) * alpha_s[s:t, None]
+        M = decode_tile_mass(code[s:t]) * valid_s[s:t, None]
         if live is not None:  # tiles of dense slabs: no correction
-            S = S * live[None, :]
+            M = M * live[None, :]
+        S = M * alpha_s[s:t, None]
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
             G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
         else:
             G += S.T @ E_c.float()
+        if fo is not None:
+            mass += M.sum(0)
+            X = (E_c.float() * S.sum(1)[:, None]).to(E_c.dtype)
+            H += mm_f32(X.T, E_c, None)
     # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
     sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
     sc[:V] = vscore
-    q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V].contiguous()
-    tp = inverse_permutation(vperm.long()).index_select(0, t_s)
+    q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V]
+    inv = inverse_permutation(vperm.long())
+    if fo is not None:
+        cnt = (V - BV * torch.arange(nt, device=dev)).clamp(max=BV).float()
+        q = torch.where(fo.flag.bool(), (1.0 / cnt).repeat_interleave(BV)[:V], q)
+        fo.H = H
+        fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt
+        fo.tile_of = (inv // BV).to(torch.int32)
+    q = q.contiguous()
+    tp = inv.index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)
     trow = r.erow_s.index_select(0, order).contiguous()

@@ -47,7 +47,7 @@ def _fwd(e, c, bias, t, eps, tuning: Tuning, **kw):
         e, c, bias, None, None, t, -100, opts["reduction"], opts["softcap"], opts["label_smoothing"],
         opts["z_loss"], eps, True, False, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
-        tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes,
+        tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
     )  # fmt: skip
 
 
@@ -106,7 +106,7 @@ def test_slab_errors_against_float64(softcap, bias):
     s = _setup(N, D, V, seed=1, eps=2e-3, tuning=Tuning(backward="sparse"), bias=b, softcap=softcap)
     BN, BV = stats_blocks(torch.float32)
     width = 2 * BV
-    err, ref = _errors(s, width, rows=20)
+    err, ref, _ = _errors(s, width, rows=20)
     r = s["r"]
     pos, scale = sample_rows(s["code"], s["alpha_s"], r.n_valid, 20)
     E = s["e"].double()[r.erow_s[pos]]
@@ -153,7 +153,7 @@ def test_flags_follow_the_rule(dense_kept, slab_error, slab_bytes):
     nt = s["code"].shape[1]
     tps = slab_tiles(N, nt, BV, 4, slab_bytes)
     errors = _errors(s, tps * BV) if slab_error < 1 else None
-    got = dense_slab_flags(s["code"], s["keep"], s["r"].n_valid, BN, tps, dense_kept, slab_error, errors)
+    got, _ = dense_slab_flags(s["code"], s["keep"], s["r"].n_valid, BN, tps, dense_kept, slab_error, errors)
     nvb = -(-int(s["r"].n_valid) // BN)
     want = []
     for s0 in range(0, nt, tps):
@@ -161,7 +161,7 @@ def test_flags_follow_the_rule(dense_kept, slab_error, slab_bytes):
         frac = float(s["keep"][:, s0:s1].double().sum()) / (nvb * (s1 - s0))
         want.append(frac >= dense_kept)
     if errors is not None:
-        err, ref = (x.double() for x in errors)
+        err, ref = (x.double() for x in errors[:2])
         left = [i for i, w in enumerate(want) if not w]
         left.sort(key=lambda i: -float(err[i].norm()))
         while left and float(sum(err[i] for i in left).norm()) > slab_error * float(ref.norm()):
@@ -239,7 +239,7 @@ def test_mixed_slabs_exact_where_dense():
     r = RowOrder(t, None, -100)
     BN, BV = stats_blocks(e.dtype)
     tps = slab_tiles(N, out[2].shape[1], BV, 4, kw["dense_slab_bytes"])
-    flags = dense_slab_flags(out[2], out[3].bool(), r.n_valid, BN, tps, 0.2, 2.0)
+    flags, _ = dense_slab_flags(out[2], out[3].bool(), r.n_valid, BN, tps, 0.2, 2.0)
     assert 0 < int(flags.sum()) < flags.numel()  # both kinds
     dE, dC = sparse_backward(*args, **kw)
     dE_s, dC_s = sparse_backward(*args, **OFF)

@@ -33,6 +33,7 @@ from .common import (
     tile_cols,
 )
 from .dense_slabs import run_dense_slabs
+from .first_order import FirstOrder, add_dc_first_order
 from .stash import de_rounds, shares_memory, stash_layout, to_e_rows
 from .tile_stats import STATS_STEPS, tile_means
 
@@ -177,16 +178,17 @@ def _kept_dz_block_kernel(
         "HAS_BIAS": lambda a: a["Bias"] is not None,
         "HAS_SMOOTH": lambda a: a["Gamma"] is not None,
         "HAS_DENSE": lambda a: a["Dense"] is not None,
+        "HAS_GRAM": lambda a: a["Gram"] is not None,
     }
 )
 @triton.jit
 def _sparse_de_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, Code, ListE, CntE, Cm, WC,
-    Scratch, ScaleBuf, Dense, DEAcc, dE,
+    Scratch, ScaleBuf, Dense, DEAcc, Gram, GScale, GFlag, dE,
     V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, n_vtiles, softcap, blk0,
     code_row0, slot_blk0, cap, tiles_per_slab,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_DENSE: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
+    HAS_GRAM: tl.constexpr, SCALE_DZ: tl.constexpr,
     N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -198,7 +200,9 @@ def _sparse_de_kernel(
     + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
     + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v: Gamma and WC,
     or None without smoothing] [+ DEAcc[sorted row], the dense slabs' part (fp32), whose tiles'
-    codes do not count: Dense per slab of tiles_per_slab tiles, both or neither None].
+    codes do not count: Dense per slab of tiles_per_slab tiles, both or neither None]
+    [+ alpha_i S_i (e_i @ Gbar), S_i = sum_j S_ij, where GFlag is nonzero: the first-order term
+    of first_order.py, Gram = Gbar / GScale in the operand dtype, or None].
 
     Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
     """
@@ -232,6 +236,7 @@ def _sparse_de_kernel(
     # softcap'; code 255, kept tiles included: 0), against the tile mean of C. Masses <= 1, so
     # the operand dtype holds them.
     corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+    ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j0 in range(0, n_vtiles, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         jm = offs_j < n_vtiles
@@ -248,7 +253,24 @@ def _sparse_de_kernel(
             mask=jm[:, None] & dmask[None, :], other=0.0,
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
         corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
+        ssum += tl.sum(S, axis=1)
     acc += alpha[:, None] * corr
+    if HAS_GRAM:
+        if tl.load(GFlag) != 0:
+            offs_k = tl.arange(0, BLOCK_D)
+            fo = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+            for k0 in range(0, D, BLOCK_D):
+                km = (k0 + offs_k) < D
+                e = tl.load(
+                    E + erow[:, None] * stride_e + (k0 + offs_k)[None, :],
+                    mask=row_mask[:, None] & km[None, :], other=0.0,
+                )  # fmt: skip  # [BLOCK_N, BLOCK_D]
+                g = tl.load(
+                    Gram + (k0 + offs_k).to(tl.int64)[:, None] * D + offs_do[None, :],
+                    mask=km[:, None] & dmask[None, :], other=0.0,
+                )  # fmt: skip  # [BLOCK_D, BLOCK_DO]
+                fo = tl.dot(e, g, fo, input_precision=PRECISION)
+            acc += (alpha * ssum * tl.load(GScale))[:, None] * fo
     coef = tl.load(Coef + offs_n, mask=row_mask, other=0.0)
     ct = tl.load(
         C + tgt[:, None] * stride_c + offs_do[None, :], mask=row_mask[:, None] & dmask[None, :], other=0.0
@@ -372,6 +394,7 @@ class SparsePlan:
     gidx: torch.Tensor  # [n_blocks, n_tiles] int32: index of each kept tile among the kept ones
     klist: torch.Tensor  # [cap + 1] int32: flat index (block * n_tiles + tile) of kept tile k < cap
     n_kept: torch.Tensor  # [1] int32
+    fo: FirstOrder | None = None  # the first-order terms (first_order.py), or None
 
 
 def sparse_config() -> tuple[int, int, int, int, int, int]:
@@ -521,13 +544,18 @@ def linear_ce_backward_sparse(
             (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
             plan.ge if smooth else None,
         )  # fmt: skip
+    fo = plan.fo
+    if need_dc and fo is not None:
+        add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)
     if release:
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
         plan.gidx = plan.klist = None
+        if fo is not None:
+            fo.H = fo.rate = fo.tile_of = None
     if need_de:
         if N > 0:
             # The tile means of C, all of D: [n_tiles, D], O(V D / BLOCK_V), alive through the pass.
-            cm = tile_means(c, perm, BV, e2d.dtype)
+            cm = tile_means(c, perm, BV, e2d.dtype) if fo is None else fo.cm.to(e2d.dtype)
             for a, b, last in de_rounds(N, D, BN, protect):
                 code, row0, sl, sl_scale, sl_blk0 = plan.code, 0, slots, slot_scale, 0
                 if last:  # copies of what the rows [a, N) read in the region they write
@@ -541,7 +569,9 @@ def linear_ce_backward_sparse(
                     _sparse_de_kernel[(triton.cdiv(b - a, BN), triton.cdiv(D, BDO_E))](
                         Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e, CntE=plan.cnt_e,
                         Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale,
-                        Dense=dense, DEAcc=de_acc, dE=stash, tiles_per_slab=tiles_per_slab,
+                        Dense=dense, DEAcc=de_acc, Gram=None if fo is None else fo.gram,
+                        GScale=None if fo is None else fo.gscale, GFlag=None if fo is None else fo.flag,
+                        dE=stash, tiles_per_slab=tiles_per_slab,
                         stride_de=stash.stride(0), stride_code=code.stride(0),
                         stride_cm=cm.stride(0), stride_acc=0 if de_acc is None else de_acc.stride(0),
                         blk0=a // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0], N_SLOTS=S,

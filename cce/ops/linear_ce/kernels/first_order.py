@@ -1,0 +1,209 @@
+"""First-order corrections of the sparse backward's skipped tiles, in launches the device gates.
+
+The rank-1 corrections (backward_sparse.py) replace a skipped tile's non-target gradient by its
+mass times the tile means. That is the zeroth-order term of p_iv about the tile: with
+delta_v = c_v - mean(C_j) and x_iv = e_i . delta_v (the logit's deviation within tile j),
+
+    p_iv = A_ij exp(x_iv) ~ (S_ij / |j|) (1 + x_iv)                  (sum_{v in j} x_iv = 0)
+
+so the first-order terms of what the tile gives dE_i and dC_v are
+
+    dE_i += alpha_i sum_j (S_ij / |j|) G_j e_i,        G_j = sum_{v in j} delta_v delta_v^T
+    dC_v += sum_i alpha_i (S_ij / |j|) e_i e_i^T delta_v
+
+On a near-uniform softmax (an untrained model, random logits) these carry the whole non-target
+gradient that the rank-1 terms miss (it points along e_i: E[exp(e . d) d] = Cov(d) e E[exp(e . d)]
+for Gaussian d), an error of about 1 / sqrt(D) of dE without them. They are applied with one
+D x D matrix each, assuming the within-tile covariance alike over tiles and the skipped mass
+separable into a row and a tile factor:
+
+    sum_j (S_ij / |j|) G_j  ~  S_i Gbar,     Gbar = (1 / V) sum_v delta_v delta_v^T
+    sum_i alpha_i (S_ij / |j|) e_i e_i^T  ~  (r_j / |j|) H,   H = sum_i alpha_i S_i e_i e_i^T,
+                                                              r_j = m_j / sum_j m_j
+
+(S_i = sum_j S_ij over the row's skipped tiles, m_j = sum_i S_ij over the tile's skipped rows).
+Cost: Gbar V D^2 multiply-adds (symmetric, upper tiles only), H 2 N D^2, the dC term 2 V D^2,
+the dE term 2 N D^2 inside the dE writer: about 2 D / N of a logits pass, so the device turns
+them on only where the measured error needs it and they cost less than dense slabs
+(slab_choice.dense_slab_flags). Here: the gated Gram kernel and the gated dC term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import interpreting
+from .common import device_context, precision
+
+
+@dataclass
+class FirstOrder:
+    """The first-order terms' operands (triton_backward.first_order_terms builds them): ``flag``
+    int32 [1] on the device (0: every launch below and the dE writer's term are no-ops); ``gram``
+    Gbar / ``gscale`` in the operand dtype; ``cm`` fp32 [n_tiles, D] the tile means; for dC
+    (None without it) ``H`` fp32 [D, D], ``rate`` fp32 [n_tiles] r_j / |j| and ``tile_of``
+    int32 [V]."""
+
+    flag: torch.Tensor
+    gram: torch.Tensor
+    gscale: torch.Tensor
+    cm: torch.Tensor
+    H: torch.Tensor | None = None
+    rate: torch.Tensor | None = None
+    tile_of: torch.Tensor | None = None
+
+
+def first_order_cost(N: int, V: int, D: int, slab_width: int) -> float:
+    """The first-order terms' work in dense slabs of ``slab_width`` classes (3 passes of
+    2 N width D each): Gbar V D^2 (symmetric), H and the dE term 2 N D^2 each, the dC term
+    2 V D^2."""
+    return (3.0 * V * D + 4.0 * N * D) / (6.0 * max(N, 1) * max(slab_width, 1))
+
+
+def first_order_config() -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the two GEMMs here."""
+    if interpreting():
+        return 16, 16, 16, 4, 1
+    return 128, 128, 64, 8, 3
+
+
+@triton.jit
+def _gram_kernel(
+    X,  # [R, D] rows
+    TM, TN,  # [n_pairs] int32: the (row, column) tile of each upper-triangle tile pair
+    Flag,  # [1] int32: 0 turns the launch into a no-op
+    G,  # [D, D] fp32, accumulated (atomics)
+    R, D, stride_x, rows_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """G += X^T X over rows [s rows_per_split, (s + 1) rows_per_split) for program (pair, s),
+    tile pair (TM[pair], TN[pair]) with TM <= TN (BLOCK_M == BLOCK_N); an off-diagonal tile is
+    added at its mirror as well, so G comes out whole and symmetric."""
+    if tl.load(Flag) == 0:
+        return
+    pair = tl.program_id(0)
+    split = tl.program_id(1)
+    tm = tl.load(TM + pair)
+    tn = tl.load(TN + pair)
+    offs_m = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm = offs_m < D
+    nm = offs_n < D
+    r0 = split * rows_per_split
+    r1 = tl.minimum(r0 + rows_per_split, R)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(r0, r1, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        km = offs_k < r1
+        rows = offs_k.to(tl.int64)[:, None] * stride_x
+        a = tl.load(X + rows + offs_m[None, :], mask=km[:, None] & mm[None, :], other=0.0)  # [BLOCK_K, BM]
+        b = tl.load(X + rows + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0)  # [BLOCK_K, BN]
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    ptr = G + offs_m.to(tl.int64)[:, None] * D + offs_n[None, :]
+    tl.atomic_add(ptr, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
+    if tm != tn:
+        ptr_t = G + offs_n.to(tl.int64)[None, :] * D + offs_m[:, None]
+        tl.atomic_add(ptr_t, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
+
+
+def gram(x: torch.Tensor, flag: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """fp32 [D, D] x^T x (fp32 accumulation) if flag (int32 [1] on the device) is nonzero, else
+    zeros; no host synchronisation. The upper-triangle tiles split the rows over ``splits``
+    programs each (default: enough programs to fill the device about twice)."""
+    R, D = x.shape
+    BM, _BN, BK, warps, stages = first_order_config()
+    g = torch.zeros((D, D), dtype=torch.float32, device=x.device)
+    if R == 0 or D == 0:
+        return g
+    nb = triton.cdiv(D, BM)
+    tm, tn = torch.triu_indices(nb, nb, device=x.device).to(torch.int32)
+    pairs = tm.numel()
+    if splits is None:
+        sms = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
+        splits = max(1, min(triton.cdiv(R, 4 * BK), triton.cdiv(2 * sms, pairs)))
+    per = triton.cdiv(triton.cdiv(R, splits), BK) * BK
+    with device_context(x.device):
+        _gram_kernel[(pairs, triton.cdiv(R, per))](
+            X=x, TM=tm, TN=tn, Flag=flag, G=g, R=R, D=D, stride_x=x.stride(0), rows_per_split=per,
+            BLOCK_M=BM, BLOCK_N=BM, BLOCK_K=BK, PRECISION=precision(x.dtype), num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+    return g
+
+
+@triton.jit
+def _dc_first_order_kernel(
+    C,  # [V, D] classifier
+    Hn,  # [D, D] H / HScale in c's dtype
+    HScale,  # [1] fp32
+    CmH,  # [n_tiles, D] fp32 mean(C_j) @ H
+    TileOf,  # [V] int32: each class's tile (sorted position // BLOCK_V)
+    Rate,  # [n_tiles] fp32: r_j / |j|, 0 for tiles without skipped mass
+    Flag,  # [1] int32: 0 turns the launch into a no-op
+    dC,  # [V, D], read and written
+    V, D, stride_c, stride_dc, stride_cmh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dC[v, cols] += (r_j / |j|) (c_v @ H - mean(C_j) @ H)[cols], j = TileOf[v], for a block of
+    classes v and a D chunk of columns (fp32 accumulation; one rounding to dC's dtype)."""
+    if tl.load(Flag) == 0:
+        return
+    offs_v = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    vm = offs_v < V
+    nm = offs_n < D
+    vid = offs_v.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        km = offs_k < D
+        a = tl.load(C + vid[:, None] * stride_c + offs_k[None, :], mask=vm[:, None] & km[None, :], other=0.0)
+        b = tl.load(
+            Hn + offs_k.to(tl.int64)[:, None] * D + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0
+        )
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    j = tl.load(TileOf + offs_v, mask=vm, other=0).to(tl.int64)
+    rate = tl.load(Rate + j, mask=vm, other=0.0)
+    m = vm[:, None] & nm[None, :]
+    cmh = tl.load(CmH + j[:, None] * stride_cmh + offs_n[None, :], mask=m, other=0.0)
+    corr = rate[:, None] * (acc * tl.load(HScale) - cmh)
+    ptr = dC + vid[:, None] * stride_dc + offs_n[None, :]
+    old = tl.load(ptr, mask=m, other=0.0).to(tl.float32)
+    tl.store(ptr, (old + corr).to(dC.dtype.element_ty), mask=m)
+
+
+def normalized(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x / s in ``dtype``, s fp32 [1]) with s = max |x| (1 where x is 0): operands of any scale
+    fit the 16-bit dtypes' range."""
+    s = x.abs().amax().reshape(1)
+    s = torch.where(s > 0, s, 1.0)
+    return (x / s).to(dtype), s
+
+
+def add_dc_first_order(
+    dC: torch.Tensor,
+    c: torch.Tensor,
+    H: torch.Tensor,
+    cm: torch.Tensor,
+    tile_of: torch.Tensor,
+    rate: torch.Tensor,
+    flag: torch.Tensor,
+) -> None:
+    """dC[v] += rate[j] (c_v - cm[j]) @ H for j = tile_of[v], in place, if flag is nonzero (no
+    host synchronisation); H fp32 [D, D], cm fp32 [n_tiles, D] the tile means."""
+    V, D = c.shape
+    if V == 0 or D == 0:
+        return
+    hn, hs = normalized(H, c.dtype)
+    cmh = cm @ H  # [n_tiles, D] fp32
+    BM, BN, BK, warps, stages = first_order_config()
+    with device_context(c.device):
+        _dc_first_order_kernel[(triton.cdiv(V, BM), triton.cdiv(D, BN))](
+            C=c, Hn=hn, HScale=hs, CmH=cmh, TileOf=tile_of, Rate=rate, Flag=flag, dC=dC, V=V, D=D,
+            stride_c=c.stride(0), stride_dc=dC.stride(0), stride_cmh=cmh.stride(0), BLOCK_M=BM,
+            BLOCK_N=BN, BLOCK_K=BK, PRECISION=precision(c.dtype), num_warps=warps, num_stages=stages,
+        )  # fmt: skip

@@ -1,0 +1,340 @@
+"""The first-order corrections of the sparse backward's skipped tiles (kernels/first_order.py),
+under the Triton interpreter on CPU (or on a GPU).
+
+They add, where the device's rule turns them on, alpha_i S_i Gbar e_i to dE and
+(r_j / |j|) (c_v - mean(C_j)) H to dC (and spread the zeroth-order dC term evenly over the
+tile). The tests: the gated kernels against float64 (and as no-ops with the flag off); the
+slab rule's first-order error estimate against float64; the sparse backward with the terms on
+against the same formula in float64 from the forward's own masses; the rule on near-uniform
+rows (terms on, no slab dense, gradients within 2e-3 of the oracle) and on zipf data (off);
+the option reaches the backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.data import zipf_inputs
+from cce import CCEOptions, Tuning, linear_cross_entropy_with_options
+from cce.reference import linear_cross_entropy_reference
+from tests.helpers import rel_err
+
+triton = pytest.importorskip("triton")
+
+import cce.ops.linear_ce.triton_backward as TB  # noqa: E402
+from cce.ops.linear_ce.kernels.common import stats_blocks  # noqa: E402
+from cce.ops.linear_ce.kernels.first_order import add_dc_first_order, first_order_cost, gram  # noqa: E402
+from cce.ops.linear_ce.kernels.tile_stats import decode_tile_mass, tile_means  # noqa: E402
+from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
+from cce.ops.linear_ce.slab_choice import dense_slab_flags, sample_rows, slab_errors  # noqa: E402
+from cce.ops.linear_ce.triton_backward import loss_coefficients, sparse_backward  # noqa: E402
+from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
+
+ON = torch.ones(1, dtype=torch.int32)
+OFF = torch.zeros(1, dtype=torch.int32)
+EPS = 2.0**-8  # bf16's default threshold: on near-uniform rows every tile is skipped
+
+
+def _near_uniform(N, D, V, std, seed=3):
+    """Random hidden states and classes with logits of standard deviation ``std`` (an untrained
+    model's near-uniform softmax), every 9th target ignored."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(N, D, generator=g) * std**0.5 / D**0.25
+    c = torch.randn(V, D, generator=g) * std**0.5 / D**0.25
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::9] = -100
+    return e, c, t
+
+
+@pytest.mark.parametrize(
+    "R,D,dtype", [(300, 40, torch.float32), (97, 70, torch.float16), (5, 16, torch.float32)]
+)
+def test_gram_against_float64(R, D, dtype):
+    """gram: x^T x (whole and symmetric: off-diagonal tiles are mirrored) with fp32 accumulation
+    (fp32: 1e-6 relative; fp16 operands are exact in fp32 products: the same), row counts and
+    widths that are not multiples of the blocks, several row splits; zeros with the flag off."""
+    x = torch.randn(R, D, generator=torch.Generator().manual_seed(R)).to(dtype)
+    want = x.double().T @ x.double()
+    for splits in (1, 3):
+        got = gram(x, ON, splits=splits)
+        assert got.dtype == torch.float32 and got.shape == (D, D)
+        assert rel_err(got, want) < 1e-6
+    assert int(gram(x, OFF).count_nonzero()) == 0
+
+
+def test_dc_first_order_against_float64():
+    """add_dc_first_order: dC[v] += rate[j] (c_v - cm[j]) @ H for j = tile_of[v], in place in
+    dC's dtype (fp32 here: 1e-6); untouched with the flag off."""
+    g = torch.Generator().manual_seed(1)
+    V, D, nt = 150, 36, 7
+    c = torch.randn(V, D, generator=g)
+    H = torch.randn(D, D, generator=g) * 30.0
+    cm = torch.randn(nt, D, generator=g)
+    tile_of = torch.randint(0, nt, (V,), generator=g).to(torch.int32)
+    rate = torch.rand(nt, generator=g)
+    dC0 = torch.randn(V, D, generator=g)
+    dC = dC0.clone()
+    add_dc_first_order(dC, c, H, cm, tile_of, rate, ON)
+    j = tile_of.long()
+    want = dC0.double() + rate.double()[j, None] * ((c.double() - cm.double()[j]) @ H.double())
+    assert rel_err(dC, want) < 1e-6
+    dC = dC0.clone()
+    add_dc_first_order(dC, c, H, cm, tile_of, rate, OFF)
+    assert torch.equal(dC, dC0)
+
+
+def _fwd(e, c, t, eps, tuning: Tuning):
+    return linear_ce_triton_fwd(
+        e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, False, tuning.stats_chain_tiles,
+        tuning.dz_slab_bytes, tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
+        tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
+    )  # fmt: skip
+
+
+def test_slab_errors_first_order_against_float64():
+    """slab_errors' fo: for each sampled row and slab, (alpha_i S'_is / V) G e_i with
+    G = sum_v delta_v delta_v^T about the sorted tiles' means (float64 here; fp32 products
+    over 1500 classes: 1e-5)."""
+    N, D, V = 60, 24, 1500
+    e, c, t = _near_uniform(N, D, V, std=0.3)
+    tu = Tuning(backward="sparse")
+    out = _fwd(e, c, t, EPS, tu)
+    r = RowOrder(t, None, -100)
+    g = torch.rand(N, generator=torch.Generator().manual_seed(2))
+    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    BN, BV = stats_blocks(torch.float32)
+    nt = out[2].shape[1]
+    width = 3 * BV
+    cm = tile_means(c, out[5], BV, torch.float32)
+    args = (e, c, None, r.erow_s, srt(r.safe_t), srt(out[1]), srt(alpha.float()), srt(beta.float()), out[2])
+    rest = (out[3].bool(), out[5], r.n_valid, 0.0, BN, BV, width, 20)
+    err, ref, fo = slab_errors(*args, *rest, cm=cm)
+    assert slab_errors(*args, *rest)[2] is None
+    pos, scale = sample_rows(out[2], srt(alpha.float()), r.n_valid, 20)
+    perm = out[5].long()
+    Cs = c.double()[perm]
+    tile = torch.arange(V) // BV
+    cmd = torch.stack([Cs[tile == j].mean(0) for j in range(nt)])
+    delta = Cs - cmd[tile]
+    G = delta.T @ delta
+    E = e.double()[r.erow_s[pos]]
+    a = srt(alpha.float()).double()[pos] * (pos < r.n_valid).double() * scale.double()
+    S = decode_tile_mass(out[2][pos]).double() * a[:, None]
+    want = torch.zeros(fo.shape, dtype=torch.float64)
+    for s in range(fo.shape[0]):
+        Ss = S[:, s * 3 : (s + 1) * 3].sum(1)
+        want[s] = (Ss / V)[:, None] * (E @ G)
+    assert rel_err(fo, want) < 1e-5
+    assert float(want.norm()) > 0
+
+
+def _model_grads(e, c, t, g, out, fo_on: bool):
+    """(dE, dC) of the sparse backward's model in float64 from the forward's codes: the rank-1
+    corrections (dC spread by q, or evenly with fo_on) plus, with fo_on, the first-order terms."""
+    N, D = e.shape
+    V = c.shape[0]
+    BN, BV = stats_blocks(torch.float32)
+    r = RowOrder(t, None, -100)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    a = srt(alpha.double()) * (torch.arange(N) < r.n_valid).double()
+    b = srt(beta.double())
+    E = e.double()[r.erow_s]
+    ts = srt(r.safe_t)
+    perm = out[5].long()
+    C = c.double()
+    z = E @ C.T
+    p = torch.exp(z - srt(out[1]).double()[:, None])
+    nt = out[2].shape[1]
+    keep = out[3].bool()
+    S = decode_tile_mass(out[2]).double() * a[:, None]  # [N, nt], 0 where kept
+    dE = torch.zeros(N, D, dtype=torch.float64)
+    dC = torch.zeros(V, D, dtype=torch.float64)
+    tile_of = torch.empty(V, dtype=torch.long)
+    tile_of[perm] = torch.arange(V) // BV
+    cnt = torch.bincount(tile_of, minlength=nt).double()
+    cm = torch.stack([C[tile_of == j].mean(0) for j in range(nt)])
+    rows = torch.arange(N)
+    dz = a[:, None] * p
+    dz[rows, ts] = 0.0
+    kept_mask = keep[rows // BN][:, tile_of]  # [N, V]
+    dzk = dz * kept_mask
+    dE += dzk @ C + S @ cm
+    dC += dzk.T @ E
+    Gj = S.T @ E  # [nt, D]
+    if fo_on:
+        spread = 1.0 / cnt[tile_of]
+    else:
+        q = torch.empty(V, dtype=torch.float64)
+        score = out[6].double()
+        for j in range(nt):
+            q[perm[j * BV : (j + 1) * BV]] = torch.softmax(score[j * BV : (j + 1) * BV], 0)
+        spread = q
+    dC += spread[:, None] * Gj[tile_of]
+    coef = a * torch.exp(out[4].double() - srt(out[1]).double()) - b  # out[4]: sorted rows
+    coef = coef * (torch.arange(N) < r.n_valid).double()
+    dE += coef[:, None] * C[ts]
+    dC.index_add_(0, ts, coef[:, None] * E)
+    if fo_on:
+        delta = C - cm[tile_of]
+        Gbar = delta.T @ delta / V
+        dE += S.sum(1)[:, None] * (E @ Gbar)
+        valid = (torch.arange(N) < r.n_valid).double()
+        mass = (decode_tile_mass(out[2]).double() * valid[:, None]).sum(0)  # unsigned S_ij
+        H = (E * S.sum(1)[:, None]).T @ E
+        rate = mass / mass.sum() / cnt
+        dC += rate[tile_of][:, None] * (delta @ H)
+    dE_e = torch.zeros(N, D, dtype=torch.float64).index_copy_(0, r.erow_s, dE)
+    return dE_e, dC
+
+
+@pytest.mark.parametrize("std", [0.2, 0.05])
+def test_sparse_backward_with_first_order_is_the_model(std):
+    """On near-uniform rows the rule turns the terms on (flag 1, no slab dense: their estimated
+    error is within the target, the rank-1 corrections' is not), and the sparse backward then
+    computes exactly the model: rank-1 corrections with an even dC spread plus alpha_i S_i Gbar e_i
+    and rate_j delta_v H, from the forward's own decoded masses (float64 model; fp32 GEMMs over
+    D = 32 and 3000 classes: 2e-5)."""
+    N, D, V = 64, 32, 3000
+    e, c, t = _near_uniform(N, D, V, std=std)
+    tu = Tuning(backward="sparse", dense_slabs=True)
+    out = _fwd(e, c, t, EPS, tu)
+    assert int(out[3].sum()) == 0  # every tile skipped
+    g = torch.rand(N, generator=torch.Generator().manual_seed(4))
+    seen = {}
+    orig = TB.dense_slab_flags
+
+    def spy(*a, **k):
+        seen["flags"] = orig(*a, **k)
+        return seen["flags"]
+
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:])
+    TB.dense_slab_flags = spy
+    try:
+        dE, dC = sparse_backward(*args, dense_slabs=True)
+    finally:
+        TB.dense_slab_flags = orig
+    dense, flag = seen["flags"]
+    assert flag.tolist() == [1] and int(dense.sum()) == 0
+    mE, mC = _model_grads(e, c, t, g, out, fo_on=True)
+    assert rel_err(dE, mE) < 2e-5 and rel_err(dC, mC) < 2e-5
+    # without the terms: the rank-1 model with the q spread (the terms are not a no-op here)
+    dE0, dC0 = sparse_backward(*args, dense_slabs=False)
+    mE0, mC0 = _model_grads(e, c, t, g, out, fo_on=False)
+    assert rel_err(dE0, mE0) < 2e-5 and rel_err(dC0, mC0) < 2e-5
+    assert rel_err(mE, mE0) > 1e-3
+
+
+def _grads(e, c, t, tuning):
+    ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+    o = CCEOptions(impl="triton", filter_eps=EPS, tuning=tuning)
+    loss = linear_cross_entropy_with_options(ee, cc, t, None, None, o)
+    up = torch.rand((), generator=torch.Generator().manual_seed(1))
+    (loss * up).backward()
+    e0, c0 = e.double().requires_grad_(), c.double().requires_grad_()
+    (linear_cross_entropy_reference(e0, c0, t) * up.double()).backward()
+    return rel_err(ee.grad, e0.grad), rel_err(cc.grad, c0.grad)
+
+
+def test_rule_on_near_uniform_rows_meets_the_target_without_dense_slabs():
+    """Near-uniform rows (logit std 0.2, eps 2^-8: every tile skipped): the rank-1 corrections
+    alone err by > 1e-2 in dE; the default rules (first order on) bring dE and dC within 2e-3 of
+    float64 (the rule's 2.5e-3 target on the sampled rows) with no slab dense, and with
+    first_order=False by making the slabs dense (exact)."""
+    e, c, t = _near_uniform(64, 32, 3000, std=0.2)
+    r1 = _grads(e, c, t, Tuning(backward="sparse", dense_slabs=False))
+    fo = _grads(e, c, t, Tuning(backward="sparse"))
+    dense = _grads(e, c, t, Tuning(backward="sparse", first_order=False))
+    assert r1[0] > 1e-2
+    assert max(fo) < 2e-3
+    assert max(dense) < 1e-5
+
+
+def test_rule_off_where_rank1_meets_the_target():
+    """zipf data where the rank-1 corrections meet the target (at this toy size they err by
+    2.2e-2 on the sampled rows, the terms would leave 3.7e-3: a target of 3e-2): the rule
+    neither turns the terms on nor makes a slab dense; at 5e-3 the terms (costing half a slab)
+    replace the one dense slab, at 3e-3 they do not suffice and the slab is dense."""
+    N, D, V = 64, 32, 3000
+    e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=5)
+    tu = Tuning(backward="sparse", dense_slabs=True, slab_error=3e-2)
+    out = _fwd(e, c, t, EPS, tu)
+    r = RowOrder(t, None, -100)
+    g = torch.full((N,), 1.0 / N)
+    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
+    BN, BV = stats_blocks(torch.float32)
+    nt = out[2].shape[1]
+    cm = tile_means(c, out[5], BV, torch.float32)
+    errors = slab_errors(
+        e, c, None, r.erow_s, srt(r.safe_t), srt(out[1]), srt(alpha.float()), srt(beta.float()), out[2],
+        out[3].bool(), out[5], r.n_valid, 0.0, BN, BV, nt * BV, cm=cm,
+    )  # fmt: skip
+    cost = first_order_cost(N, V, D, nt * BV)
+    stats = (out[2], out[3].bool(), r.n_valid, BN, nt, tu.dense_kept)
+    dense, flag = dense_slab_flags(*stats, tu.slab_error, errors, cost)
+    assert flag.tolist() == [0] and dense.tolist() == [0]
+    dense, flag = dense_slab_flags(*stats, 5e-3, errors, 0.5)
+    assert flag.tolist() == [1] and dense.tolist() == [0]  # the terms meet 5e-3, for half a slab
+    dense, flag = dense_slab_flags(*stats, 3e-3, errors, 0.5)
+    assert flag.tolist() == [0] and dense.tolist() == [1]  # they miss 3e-3: the one slab dense
+
+
+def test_flags_with_first_order_follow_the_rule():
+    """dense_slab_flags with fo: the greedy rule run on err and on err - fo (float64 here); the
+    terms are on exactly where the second's slab count plus their cost is below the first's."""
+    g = torch.Generator().manual_seed(0)
+    n_slabs, k, D = 6, 5, 8
+    err = torch.randn(n_slabs, k, D, generator=g)
+    fo = err * 0.9 + 0.01 * torch.randn(n_slabs, k, D, generator=g)
+    ref = torch.randn(k, D, generator=g) * 10
+    code = torch.full((k, n_slabs), 255, dtype=torch.uint8)
+    keep = torch.zeros(1, n_slabs, dtype=torch.bool)
+    n_valid = torch.tensor([k], dtype=torch.int32)
+
+    def greedy(x, bound):
+        left = sorted(range(n_slabs), key=lambda i: -float(x[i].norm()))
+        chosen = set()
+        while left and float(sum(x[i] for i in left).norm()) > bound:
+            chosen.add(left.pop(0))
+        return chosen
+
+    for slab_error in (0.05, 0.2, 0.5):
+        bound = slab_error * float(ref.double().norm())
+        c1, c2 = greedy(err.double(), bound), greedy((err - fo).double(), bound)
+        for cost in (0.5, 2.5, 10.0):
+            dense, flag = dense_slab_flags(code, keep, n_valid, 16, 1, 2.0, slab_error, (err, ref, fo), cost)
+            use = len(c2) + cost < len(c1)
+            want = c2 if use else c1
+            assert flag.tolist() == [int(use)]
+            assert dense.tolist() == [int(i in want) for i in range(n_slabs)]
+    dense, flag = dense_slab_flags(code, keep, n_valid, 16, 1, 2.0, 0.05, (err, ref, fo), None)
+    assert flag.tolist() == [0]
+
+
+def test_option_reaches_the_backward():
+    """Tuning(first_order=...) is validated and passed to the sparse backward."""
+    with pytest.raises(ValueError, match="first_order"):
+        Tuning(first_order=1)
+    e, c, t = _near_uniform(32, 16, 600, std=0.2)
+    seen = []
+    orig = TB.sparse_backward
+
+    def spy(*a, **k):
+        seen.append(k["first_order"])
+        return orig(*a, **k)
+
+    TB.sparse_backward = spy
+    import cce.ops.linear_ce.triton_impl as TI
+
+    old = TI.sparse_backward
+    TI.sparse_backward = spy
+    try:
+        for fo in (True, False):
+            _grads(e, c, t, Tuning(backward="sparse", first_order=fo))
+    finally:
+        TB.sparse_backward = orig
+        TI.sparse_backward = old
+    assert seen == [True, False]
