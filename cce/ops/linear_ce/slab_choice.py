@@ -150,11 +150,13 @@ def slab_errors(
     size = (V - BLOCK_V * torch.arange(nt, device=dev)).clamp(max=BLOCK_V).float()  # classes per tile
     w3 = w.view(k, nt, BLOCK_V)
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
-    err = slab_products(w, c, vperm, width)
-    ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
+    # One pass over C for all three (one program per slab and D chunk).
+    full = F.pad(full, (0, nt * BLOCK_V - V))
+    parts = slab_products(torch.cat([w, full] if x is None else [w, full, x]), c, vperm, width)
+    err, ref = parts[:, :k], parts[:, k : 2 * k].sum(0)
     if x is None:
         return err, ref, None
-    gx = slab_products(x, c, vperm, width).sum(0)  # [k, D]: G e_i
+    gx = parts[:, 2 * k :].sum(0)  # [k, D]: G e_i
     n_slabs = err.shape[0]
     per_slab = F.pad(S, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)  # [k, n_slabs]
     fo = (per_slab.T / V)[:, :, None] * gx[None]

@@ -13,7 +13,7 @@ import torch
 from ... import _math
 from ...options import DEFAULT_TUNING as _T
 from .kernels import backward_sparse as KS
-from .kernels.backward_exact import linear_ce_backward_exact, mm_f32
+from .kernels.backward_exact import linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
 from .kernels.common import inverse_permutation, slab_tiles, stats_blocks
 from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
@@ -273,7 +273,7 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
     # G_j = sum_i alpha_i S_ij e_i over the rows whose tile j is skipped.
     G = torch.zeros(nt, D, dtype=f32, device=dev)
     if fo is not None:
-        H = torch.zeros(D, D, dtype=f32, device=dev)
+        srow = torch.empty(N, dtype=f32, device=dev)  # alpha_i S_i
         mass = torch.zeros(nt, dtype=f32, device=dev)
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
     for s in range(0, N, _SPARSE_ROWS):
@@ -290,8 +290,7 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
             G += S.T @ E_c.float()
         if fo is not None:
             mass += M.sum(0)
-            X = (E_c.float() * S.sum(1)[:, None]).to(E_c.dtype)
-            H += mm_f32(X.T, E_c, None)
+            srow[s:t] = S.sum(1)
     # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
     sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
     sc[:V] = vscore
@@ -300,7 +299,7 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
     if fo is not None:
         cnt = (V - BV * torch.arange(nt, device=dev)).clamp(max=BV).float()
         q = torch.where(fo.flag.bool(), (1.0 / cnt).repeat_interleave(BV)[:V], q)
-        fo.H = H
+        fo.H = gram(e2d, fo.flag, r.erow_s, srow)
         fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt
         fo.tile_of = (inv // BV).to(torch.int32)
     q = q.contiguous()

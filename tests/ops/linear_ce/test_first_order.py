@@ -53,7 +53,8 @@ def _near_uniform(N, D, V, std, seed=3):
 def test_gram_against_float64(R, D, dtype):
     """gram: x^T x (whole and symmetric: off-diagonal tiles are mirrored) with fp32 accumulation
     (fp32: 1e-6 relative; fp16 operands are exact in fp32 products: the same), row counts and
-    widths that are not multiples of the blocks, several row splits; zeros with the flag off."""
+    widths that are not multiples of the blocks, several row splits; zeros with the flag off;
+    gathered rows with signed weights."""
     x = torch.randn(R, D, generator=torch.Generator().manual_seed(R)).to(dtype)
     want = x.double().T @ x.double()
     for splits in (1, 3):
@@ -61,6 +62,14 @@ def test_gram_against_float64(R, D, dtype):
         assert got.dtype == torch.float32 and got.shape == (D, D)
         assert rel_err(got, want) < 1e-6
     assert int(gram(x, OFF).count_nonzero()) == 0
+    # gathered, weighted rows (signed weights): x[rows]^T diag(w) x[rows]
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(0, R, (2 * R + 3,), generator=g)
+    w = torch.randn(rows.numel(), generator=g)
+    xr = x.double()[rows]
+    want = xr.T @ (w.double()[:, None] * xr)
+    # fp16: each weighted row is rounded to fp16 before its products (2^-11 relative)
+    assert rel_err(gram(x, ON, rows, w, splits=2), want) < (1e-6 if dtype == torch.float32 else 1e-3)
 
 
 def test_dc_first_order_against_float64():

@@ -71,18 +71,24 @@ def first_order_config() -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 3
 
 
+@triton.heuristics({"HAS_ROWS": lambda a: a["Rows"] is not None, "HAS_W": lambda a: a["W"] is not None})
 @triton.jit
 def _gram_kernel(
-    X,  # [R, D] rows
+    X,  # [*, D] rows
+    Rows,  # [R] int: the rows of X taken (None: X's first R rows)
+    W,  # [R] fp32 row weights, or None (1)
     TM, TN,  # [n_pairs] int32: the (row, column) tile of each upper-triangle tile pair
     Flag,  # [1] int32: 0 turns the launch into a no-op
     G,  # [D, D] fp32, accumulated (atomics)
     R, D, stride_x, rows_per_split,
+    HAS_ROWS: tl.constexpr, HAS_W: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """G += X^T X over rows [s rows_per_split, (s + 1) rows_per_split) for program (pair, s),
-    tile pair (TM[pair], TN[pair]) with TM <= TN (BLOCK_M == BLOCK_N); an off-diagonal tile is
-    added at its mirror as well, so G comes out whole and symmetric."""
+    """G += X_r^T diag(w) X_r over the rows [s rows_per_split, (s + 1) rows_per_split) of
+    X_r = X[Rows] for program (pair, s), tile pair (TM[pair], TN[pair]) with TM <= TN
+    (BLOCK_M == BLOCK_N); an off-diagonal tile is added at its mirror as well, so G comes out
+    whole and symmetric. The weights scale one operand in fp32 before its rounding to X's
+    dtype."""
     if tl.load(Flag) == 0:
         return
     pair = tl.program_id(0)
@@ -99,9 +105,15 @@ def _gram_kernel(
     for k0 in range(r0, r1, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         km = offs_k < r1
-        rows = offs_k.to(tl.int64)[:, None] * stride_x
+        if HAS_ROWS:
+            rows = tl.load(Rows + offs_k, mask=km, other=0).to(tl.int64)[:, None] * stride_x
+        else:
+            rows = offs_k.to(tl.int64)[:, None] * stride_x
         a = tl.load(X + rows + offs_m[None, :], mask=km[:, None] & mm[None, :], other=0.0)  # [BLOCK_K, BM]
         b = tl.load(X + rows + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0)  # [BLOCK_K, BN]
+        if HAS_W:
+            w = tl.load(W + offs_k, mask=km, other=0.0)
+            b = (b.to(tl.float32) * w[:, None]).to(X.dtype.element_ty)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     ptr = G + offs_m.to(tl.int64)[:, None] * D + offs_n[None, :]
     tl.atomic_add(ptr, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
@@ -110,11 +122,19 @@ def _gram_kernel(
         tl.atomic_add(ptr_t, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
 
 
-def gram(x: torch.Tensor, flag: torch.Tensor, splits: int | None = None) -> torch.Tensor:
-    """fp32 [D, D] x^T x (fp32 accumulation) if flag (int32 [1] on the device) is nonzero, else
-    zeros; no host synchronisation. The upper-triangle tiles split the rows over ``splits``
-    programs each (default: enough programs to fill the device about twice)."""
-    R, D = x.shape
+def gram(
+    x: torch.Tensor,
+    flag: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    w: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """fp32 [D, D] x_r^T diag(w) x_r, x_r = x[rows] (all of x without ``rows``; w fp32, 1
+    without), with fp32 accumulation, if flag (int32 [1] on the device) is nonzero, else zeros;
+    no host synchronisation. The upper-triangle tiles split the rows over ``splits`` programs
+    each (default: enough programs to fill the device about twice)."""
+    R = x.shape[0] if rows is None else rows.numel()
+    D = x.shape[1]
     BM, _BN, BK, warps, stages = first_order_config()
     g = torch.zeros((D, D), dtype=torch.float32, device=x.device)
     if R == 0 or D == 0:
@@ -128,7 +148,8 @@ def gram(x: torch.Tensor, flag: torch.Tensor, splits: int | None = None) -> torc
     per = triton.cdiv(triton.cdiv(R, splits), BK) * BK
     with device_context(x.device):
         _gram_kernel[(pairs, triton.cdiv(R, per))](
-            X=x, TM=tm, TN=tn, Flag=flag, G=g, R=R, D=D, stride_x=x.stride(0), rows_per_split=per,
+            X=x, Rows=rows, W=w, TM=tm, TN=tn, Flag=flag, G=g, R=R, D=D, stride_x=x.stride(0),
+            rows_per_split=per,
             BLOCK_M=BM, BLOCK_N=BM, BLOCK_K=BK, PRECISION=precision(x.dtype), num_warps=warps,
             num_stages=stages,
         )  # fmt: skip
@@ -152,8 +173,12 @@ def _dc_first_order_kernel(
     classes v and a D chunk of columns (fp32 accumulation; one rounding to dC's dtype)."""
     if tl.load(Flag) == 0:
         return
-    offs_v = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Consecutive programs take the column chunks of one class block: its rows of C are read
+    # from memory once and from L2 after (Hn, D x D, stays in L2).
+    pid = tl.program_id(0)
+    n_chunks = tl.cdiv(D, BLOCK_N)
+    offs_v = (pid // n_chunks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (pid % n_chunks) * BLOCK_N + tl.arange(0, BLOCK_N)
     vm = offs_v < V
     nm = offs_n < D
     vid = offs_v.to(tl.int64)
@@ -202,7 +227,7 @@ def add_dc_first_order(
     cmh = cm @ H  # [n_tiles, D] fp32
     BM, BN, BK, warps, stages = first_order_config()
     with device_context(c.device):
-        _dc_first_order_kernel[(triton.cdiv(V, BM), triton.cdiv(D, BN))](
+        _dc_first_order_kernel[(triton.cdiv(V, BM) * triton.cdiv(D, BN),)](
             C=c, Hn=hn, HScale=hs, CmH=cmh, TileOf=tile_of, Rate=rate, Flag=flag, dC=dC, V=V, D=D,
             stride_c=c.stride(0), stride_dc=dC.stride(0), stride_cmh=cmh.stride(0), BLOCK_M=BM,
             BLOCK_N=BN, BLOCK_K=BK, PRECISION=precision(c.dtype), num_warps=warps, num_stages=stages,
