@@ -249,7 +249,8 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
     operand dtype with its scale; the dC ones are filled in by _dc_inputs."""
     V = c.shape[0]
     cnt = (V - BV * torch.arange(cm.shape[0], device=c.device)).clamp(max=BV).float()
-    g = gram(c, flag).sub_((cm * cnt[:, None]).T @ cm).div_(V)
+    # The tile means' part in fp32 (it can nearly cancel C^T C's where the means dominate).
+    g = gram(c, flag).sub_(gram(cm, flag, w=cnt)).div_(V)
     gn, gs = normalized(g, c.dtype)
     return FirstOrder(flag, gn, gs, cm)
 

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from ...._dispatch import interpreting
-from .common import device_context, precision
+from .backward_exact import mm_f32
+from .common import device_context, precision, tensor_descriptor, tma_rows_ok, use_tma
 
 
 @dataclass
@@ -64,24 +65,38 @@ def first_order_cost(N: int, V: int, D: int, slab_width: int) -> float:
     return (3.0 * V * D + 4.0 * N * D) / (6.0 * max(N, 1) * max(slab_width, 1))
 
 
-def first_order_config() -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the two GEMMs here."""
+def first_order_config(tma: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the two GEMMs here (with tensor
+    descriptors: the dE / dC slab GEMMs' best on an H100, docs/benchmarks.md)."""
     if interpreting():
         return 16, 16, 16, 4, 1
+    if tma:
+        return 128, 256, 64, 8, 4
     return 128, 128, 64, 8, 3
 
 
-@triton.heuristics({"HAS_ROWS": lambda a: a["Rows"] is not None, "HAS_W": lambda a: a["W"] is not None})
+def _tma(x: torch.Tensor) -> bool:
+    return use_tma(x, x) and tma_rows_ok(x)
+
+
+@triton.heuristics(
+    {
+        "HAS_ROWS": lambda a: a["Rows"] is not None,
+        "HAS_W": lambda a: a["W"] is not None,
+        "USE_TMA": lambda a: a["Xd"] is not None,
+    }
+)
 @triton.jit
 def _gram_kernel(
     X,  # [*, D] rows
+    Xd,  # descriptor of X [R, D] with [BLOCK_K, BLOCK_M] blocks (no Rows, no W), or None
     Rows,  # [R] int: the rows of X taken (None: X's first R rows)
     W,  # [R] fp32 row weights, or None (1)
     TM, TN,  # [n_pairs] int32: the (row, column) tile of each upper-triangle tile pair
     Flag,  # [1] int32: 0 turns the launch into a no-op
     G,  # [D, D] fp32, accumulated (atomics)
     R, D, stride_x, rows_per_split,
-    HAS_ROWS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_ROWS: tl.constexpr, HAS_W: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """G += X_r^T diag(w) X_r over the rows [s rows_per_split, (s + 1) rows_per_split) of
@@ -103,17 +118,26 @@ def _gram_kernel(
     r1 = tl.minimum(r0 + rows_per_split, R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(r0, r1, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        km = offs_k < r1
-        if HAS_ROWS:
-            rows = tl.load(Rows + offs_k, mask=km, other=0).to(tl.int64)[:, None] * stride_x
+        if USE_TMA:
+            # rows_per_split is a multiple of BLOCK_K: a block never crosses into the next split
+            a = Xd.load([k0, tm * BLOCK_M])  # [BLOCK_K, BLOCK_M], zeros past R and D
+            b = Xd.load([k0, tn * BLOCK_N])
         else:
-            rows = offs_k.to(tl.int64)[:, None] * stride_x
-        a = tl.load(X + rows + offs_m[None, :], mask=km[:, None] & mm[None, :], other=0.0)  # [BLOCK_K, BM]
-        b = tl.load(X + rows + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0)  # [BLOCK_K, BN]
-        if HAS_W:
-            w = tl.load(W + offs_k, mask=km, other=0.0)
-            b = (b.to(tl.float32) * w[:, None]).to(X.dtype.element_ty)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            km = offs_k < r1
+            if HAS_ROWS:
+                rows = tl.load(Rows + offs_k, mask=km, other=0).to(tl.int64)[:, None] * stride_x
+            else:
+                rows = offs_k.to(tl.int64)[:, None] * stride_x
+            a = tl.load(
+                X + rows + offs_m[None, :], mask=km[:, None] & mm[None, :], other=0.0
+            )  # [BLOCK_K, BM]
+            b = tl.load(
+                X + rows + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0
+            )  # [BLOCK_K, BN]
+            if HAS_W:
+                w = tl.load(W + offs_k, mask=km, other=0.0)
+                b = (b.to(tl.float32) * w[:, None]).to(X.dtype.element_ty)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     ptr = G + offs_m.to(tl.int64)[:, None] * D + offs_n[None, :]
     tl.atomic_add(ptr, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
@@ -135,7 +159,10 @@ def gram(
     each (default: enough programs to fill the device about twice)."""
     R = x.shape[0] if rows is None else rows.numel()
     D = x.shape[1]
+    tma = rows is None and w is None and _tma(x)
     BM, _BN, BK, warps, stages = first_order_config()
+    if tma:
+        BM, BK, warps, stages = 128, 64, 8, 4
     g = torch.zeros((D, D), dtype=torch.float32, device=x.device)
     if R == 0 or D == 0:
         return g
@@ -148,7 +175,8 @@ def gram(
     per = triton.cdiv(triton.cdiv(R, splits), BK) * BK
     with device_context(x.device):
         _gram_kernel[(pairs, triton.cdiv(R, per))](
-            X=x, Rows=rows, W=w, TM=tm, TN=tn, Flag=flag, G=g, R=R, D=D, stride_x=x.stride(0),
+            X=x, Xd=tensor_descriptor().from_tensor(x, [BK, BM]) if tma else None, Rows=rows, W=w, TM=tm,
+            TN=tn, Flag=flag, G=g, R=R, D=D, stride_x=x.stride(0),
             rows_per_split=per,
             BLOCK_M=BM, BLOCK_N=BM, BLOCK_K=BK, PRECISION=precision(x.dtype), num_warps=warps,
             num_stages=stages,
@@ -156,9 +184,11 @@ def gram(
     return g
 
 
+@triton.heuristics({"USE_TMA": lambda a: a["Cd"] is not None})
 @triton.jit
 def _dc_first_order_kernel(
     C,  # [V, D] classifier
+    Cd, Hd,  # descriptors of C [BLOCK_M, BLOCK_K] and Hn [BLOCK_K, BLOCK_N], or None
     Hn,  # [D, D] H / HScale in c's dtype
     HScale,  # [1] fp32
     CmH,  # [n_tiles, D] fp32 mean(C_j) @ H
@@ -167,6 +197,7 @@ def _dc_first_order_kernel(
     Flag,  # [1] int32: 0 turns the launch into a no-op
     dC,  # [V, D], read and written
     V, D, stride_c, stride_dc, stride_cmh,
+    USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dC[v, cols] += (r_j / |j|) (c_v @ H - mean(C_j) @ H)[cols], j = TileOf[v], for a block of
@@ -184,12 +215,20 @@ def _dc_first_order_kernel(
     vid = offs_v.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        km = offs_k < D
-        a = tl.load(C + vid[:, None] * stride_c + offs_k[None, :], mask=vm[:, None] & km[None, :], other=0.0)
-        b = tl.load(
-            Hn + offs_k.to(tl.int64)[:, None] * D + offs_n[None, :], mask=km[:, None] & nm[None, :], other=0.0
-        )
+        if USE_TMA:
+            a = Cd.load([(pid // n_chunks) * BLOCK_M, k0])  # zeros past V and D
+            b = Hd.load([k0, (pid % n_chunks) * BLOCK_N])
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            km = offs_k < D
+            a = tl.load(
+                C + vid[:, None] * stride_c + offs_k[None, :], mask=vm[:, None] & km[None, :], other=0.0
+            )
+            b = tl.load(
+                Hn + offs_k.to(tl.int64)[:, None] * D + offs_n[None, :],
+                mask=km[:, None] & nm[None, :],
+                other=0.0,
+            )
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     j = tl.load(TileOf + offs_v, mask=vm, other=0).to(tl.int64)
     rate = tl.load(Rate + j, mask=vm, other=0.0)
@@ -224,11 +263,17 @@ def add_dc_first_order(
     if V == 0 or D == 0:
         return
     hn, hs = normalized(H, c.dtype)
-    cmh = cm @ H  # [n_tiles, D] fp32
-    BM, BN, BK, warps, stages = first_order_config()
+    # mean(C_j) @ H from the same rounded operands as the kernel's c_v @ H (both cancel in
+    # fp32 where the tile mean dominates; a tile's error is 2^-9 of |mean(C_j) H| there).
+    cmh = mm_f32(cm.to(c.dtype), hn, hs)  # [n_tiles, D] fp32
+    tma = _tma(c) and tma_rows_ok(hn)
+    BM, BN, BK, warps, stages = first_order_config(tma)
+    TD = tensor_descriptor()
     with device_context(c.device):
         _dc_first_order_kernel[(triton.cdiv(V, BM) * triton.cdiv(D, BN),)](
-            C=c, Hn=hn, HScale=hs, CmH=cmh, TileOf=tile_of, Rate=rate, Flag=flag, dC=dC, V=V, D=D,
+            C=c, Cd=TD.from_tensor(c, [BM, BK]) if tma else None,
+            Hd=TD.from_tensor(hn, [BK, BN]) if tma else None, Hn=hn, HScale=hs, CmH=cmh, TileOf=tile_of,
+            Rate=rate, Flag=flag, dC=dC, V=V, D=D,
             stride_c=c.stride(0), stride_dc=dC.stride(0), stride_cmh=cmh.stride(0), BLOCK_M=BM,
             BLOCK_N=BN, BLOCK_K=BK, PRECISION=precision(c.dtype), num_warps=warps, num_stages=stages,
         )  # fmt: skip
