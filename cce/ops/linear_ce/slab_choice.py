@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.backward_exact import mm_f32
+from .kernels.common import tile_sizes
 from .kernels.dense_slabs import slab_products
 from .kernels.tile_stats import decode_tile_mass
 
@@ -147,7 +148,7 @@ def slab_errors(
     # The correction alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes.
     S = decode_tile_mass(code.index_select(0, pos)) * a[:, None]  # [k, nt]; 0 where kept
     skipped = ~keep.index_select(0, pos // BLOCK_N)
-    size = (V - BLOCK_V * torch.arange(nt, device=dev)).clamp(max=BLOCK_V).float()  # classes per tile
+    size = tile_sizes(V, BLOCK_V, dev)  # classes per tile
     w3 = w.view(k, nt, BLOCK_V)
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
     # One pass over C for all three (one program per slab and D chunk).

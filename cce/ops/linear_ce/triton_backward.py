@@ -15,7 +15,7 @@ from ...options import DEFAULT_TUNING as _T
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
-from .kernels.common import inverse_permutation, slab_tiles, stats_blocks
+from .kernels.common import inverse_permutation, slab_tiles, stats_blocks, tile_sizes
 from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, tile_means
@@ -248,7 +248,7 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
     mean(C_j) mean(C_j)^T) / V from the gated Gram kernel (zeros where ``flag`` is 0), in the
     operand dtype with its scale; the dC ones are filled in by _dc_inputs."""
     V = c.shape[0]
-    cnt = (V - BV * torch.arange(cm.shape[0], device=c.device)).clamp(max=BV).float()
+    cnt = tile_sizes(V, BV, c.device)
     # The tile means' part in fp32 (it can nearly cancel C^T C's where the means dominate).
     g = gram(c, flag).sub_(gram(cm, flag, w=cnt)).div_(V)
     gn, gs = normalized(g, c.dtype)
@@ -298,7 +298,7 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
     q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V]
     inv = inverse_permutation(vperm.long())
     if fo is not None:
-        cnt = (V - BV * torch.arange(nt, device=dev)).clamp(max=BV).float()
+        cnt = tile_sizes(V, BV, dev)
         q = torch.where(fo.flag.bool(), (1.0 / cnt).repeat_interleave(BV)[:V], q)
         fo.H = gram(e2d, fo.flag, r.erow_s, srow)
         fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt

@@ -247,18 +247,20 @@ def _grads(e, c, t, tuning):
     return rel_err(ee.grad, e0.grad), rel_err(cc.grad, c0.grad)
 
 
-def test_rule_on_near_uniform_rows_meets_the_target_without_dense_slabs():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rule_on_near_uniform_rows_meets_the_target_without_dense_slabs(dtype):
     """Near-uniform rows (logit std 0.2, eps 2^-8: every tile skipped): the rank-1 corrections
     alone err by > 1e-2 in dE; the default rules (first order on) bring dE and dC within 2e-3 of
     float64 (the rule's 2.5e-3 target on the sampled rows) with no slab dense, and with
-    first_order=False by making the slabs dense (exact)."""
-    e, c, t = _near_uniform(64, 32, 3000, std=0.2)
+    first_order=False by making the slabs dense (exact: fp32 1e-5; fp16 rounds dZ and the
+    gradients, 2^-11 each: 2e-3). fp16 runs the terms' operands scaled into its range."""
+    e, c, t = (x.to(dtype) if x.is_floating_point() else x for x in _near_uniform(64, 32, 3000, std=0.2))
     r1 = _grads(e, c, t, Tuning(backward="sparse", dense_slabs=False))
     fo = _grads(e, c, t, Tuning(backward="sparse"))
     dense = _grads(e, c, t, Tuning(backward="sparse", first_order=False))
     assert r1[0] > 1e-2
-    assert max(fo) < 2e-3
-    assert max(dense) < 1e-5
+    assert max(fo) < (2e-3 if dtype == torch.float32 else 3e-3)
+    assert max(dense) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
 def test_rule_off_where_rank1_meets_the_target():

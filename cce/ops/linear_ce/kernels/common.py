@@ -62,6 +62,11 @@ def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
     return cfg.BLOCK_N, cfg.BLOCK_V
 
 
+def tile_sizes(V: int, BLOCK_V: int, device: torch.device) -> torch.Tensor:
+    """fp32 [n_tiles]: the classes in each vocabulary tile (BLOCK_V, the last what is left)."""
+    return (V - BLOCK_V * torch.arange(triton.cdiv(V, BLOCK_V), device=device)).clamp(max=BLOCK_V).float()
+
+
 def precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: tf32 for fp32 inputs only where the user allowed it for
     matmuls; bf16 / fp16 ignore it."""

@@ -246,8 +246,11 @@ def _dc_first_order_kernel(
 
 
 def normalized(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x / s in ``dtype``, s fp32 [1]) with s = max |x| (1 where x is 0): operands of any scale
-    fit the 16-bit dtypes' range."""
+    """(x / s in ``dtype``, s fp32 [1]): fp16 takes s = max |x| (1 where x is 0), so that
+    operands of any scale fit its range; bf16 and fp32 have fp32's range and take s = 1 (two
+    fewer passes over x)."""
+    if dtype != torch.float16:
+        return x.to(dtype), torch.ones(1, dtype=torch.float32, device=x.device)
     s = x.abs().amax().reshape(1)
     s = torch.where(s > 0, s, 1.0)
     return (x / s).to(dtype), s
