@@ -280,17 +280,17 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
     for s in range(0, N, _SPARSE_ROWS):
         t = min(s + _SPARSE_ROWS, N)
         # 0 for kept tiles and ignored rows (code 255)
-        M = decode_tile_mass(code[s:t]) * valid_s[s:t, None]
+        M = decode_tile_mass(code[s:t])
         if live is not None:  # tiles of dense slabs: no correction
             M = M * live[None, :]
-        S = M * alpha_s[s:t, None]
+        S = M * alpha_s[s:t, None]  # alpha is 0 at ignored rows
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
             G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
         else:
             G += S.T @ E_c.float()
         if fo is not None:
-            mass += M.sum(0)
+            mass += (M * valid_s[s:t, None]).sum(0)
             srow[s:t] = S.sum(1)
     # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
     sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
