@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.backward_exact import mm_f32
-from .kernels.common import tile_sizes
+from .kernels.common import inverse_permutation, tile_sizes
 from .kernels.dense_slabs import slab_products
 from .kernels.tile_stats import decode_tile_mass
 
@@ -122,12 +122,14 @@ def slab_errors(
     vp = vperm.long()
     es = e2d.index_select(0, erow_s.index_select(0, pos))
     z = mm_f32(es, c.T, None)  # [k, V]
-    x = None
-    if cm is not None:  # x_iv = e_i . (c_v - mean(C_j)), sorted positions, 0 past V
-        x = torch.zeros((k, nt * BLOCK_V), dtype=torch.float32, device=dev)
-        x[:, :V] = z.index_select(1, vperm.long())
-        x.view(k, nt, BLOCK_V).sub_(mm_f32(es, cm.T.to(es.dtype), None)[:, :, None])
-        x[:, V:] = 0.0
+    gx = None
+    if cm is not None:
+        # G e_i = sum_v x_iv c_v with x_iv = e_i . (c_v - mean(C_j(v))) (class order; bf16
+        # weights where c is bf16: an estimate's accuracy, one cuBLAS pass over C).
+        tile_of = inverse_permutation(vp) // BLOCK_V
+        x = z - mm_f32(es, cm.T.to(es.dtype), None).index_select(1, tile_of)
+        gx = mm_f32(x.to(c.dtype), c, None)  # [k, D]
+        del x
     if bias is not None:
         z += bias.float()[None, :]
     d = None
@@ -151,13 +153,10 @@ def slab_errors(
     size = tile_sizes(V, BLOCK_V, dev)  # classes per tile
     w3 = w.view(k, nt, BLOCK_V)
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
-    # One pass over C for all three (one program per slab and D chunk).
-    full = F.pad(full, (0, nt * BLOCK_V - V))
-    parts = slab_products(torch.cat([w, full] if x is None else [w, full, x]), c, vperm, width)
-    err, ref = parts[:, :k], parts[:, k : 2 * k].sum(0)
-    if x is None:
+    err = slab_products(w, c, vperm, width)
+    ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
+    if gx is None:
         return err, ref, None
-    gx = parts[:, 2 * k :].sum(0)  # [k, D]: G e_i
     n_slabs = err.shape[0]
     per_slab = F.pad(S, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)  # [k, n_slabs]
     fo = (per_slab.T / V)[:, :, None] * gx[None]
