@@ -7,9 +7,10 @@ cce/ops/linear_ce/kernels/first_order.py leave, on the harness's data regimes.
 Per head:regimes:N (heads of bench/matrix.py) it forms the exact softmax of the valid rows
 (N x V in fp32: keep N x V below a few GB), the tiles the filter skips (128-row blocks x 256
 sorted classes, eps 2^-8, as the bf16 training forward), and the relative L2 errors of dE and
-dC (kept tiles exact, target entries exact) with: the rank-1 terms (dC spread by the mean-row softmax, q, as the kernels); the
-first-order terms with one Gram matrix each (what the kernels apply); and, for D <= 1024, the
-per-tile first-order terms (the ceiling of that expansion). JSON to $OUT or /tmp.
+dC (kept tiles exact, target entries exact) with: the rank-1 terms (dC spread by the mean-row
+softmax, q, as the kernels); the first-order terms with one Gram matrix each (what the kernels
+apply); and, for D <= 1024, the per-tile first-order terms (the ceiling of that expansion).
+JSON to $OUT or /tmp.
 """
 
 from __future__ import annotations
