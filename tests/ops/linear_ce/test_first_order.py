@@ -200,7 +200,7 @@ def _model_grads(e, c, t, g, out, fo_on: bool):
 
 
 @pytest.mark.parametrize("std", [0.2, 0.05])
-def test_sparse_backward_with_first_order_is_the_model(std):
+def test_sparse_backward_with_first_order_is_the_model(std, monkeypatch):
     """On near-uniform rows the rule turns the terms on (flag 1, no slab dense: their estimated
     error is within the target, the rank-1 corrections' is not), and the sparse backward then
     computes exactly the model: rank-1 corrections with an even dC spread plus alpha_i S_i Gbar e_i
@@ -220,11 +220,8 @@ def test_sparse_backward_with_first_order_is_the_model(std):
         return seen["flags"]
 
     args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:])
-    TB.dense_slab_flags = spy
-    try:
-        dE, dC = sparse_backward(*args, dense_slabs=True)
-    finally:
-        TB.dense_slab_flags = orig
+    monkeypatch.setattr(TB, "dense_slab_flags", spy)
+    dE, dC = sparse_backward(*args, dense_slabs=True)
     dense, flag = seen["flags"]
     assert flag.tolist() == [1] and int(dense.sum()) == 0
     mE, mC = _model_grads(e, c, t, g, out, fo_on=True)
@@ -325,27 +322,21 @@ def test_flags_with_first_order_follow_the_rule():
     assert flag.tolist() == [0]
 
 
-def test_option_reaches_the_backward():
+def test_option_reaches_the_backward(monkeypatch):
     """Tuning(first_order=...) is validated and passed to the sparse backward."""
+    import cce.ops.linear_ce.triton_impl as TI
+
     with pytest.raises(ValueError, match="first_order"):
         Tuning(first_order=1)
     e, c, t = _near_uniform(32, 16, 600, std=0.2)
     seen = []
-    orig = TB.sparse_backward
+    orig = TI.sparse_backward
 
     def spy(*a, **k):
         seen.append(k["first_order"])
         return orig(*a, **k)
 
-    TB.sparse_backward = spy
-    import cce.ops.linear_ce.triton_impl as TI
-
-    old = TI.sparse_backward
-    TI.sparse_backward = spy
-    try:
-        for fo in (True, False):
-            _grads(e, c, t, Tuning(backward="sparse", first_order=fo))
-    finally:
-        TB.sparse_backward = orig
-        TI.sparse_backward = old
+    monkeypatch.setattr(TI, "sparse_backward", spy)
+    for fo in (True, False):
+        _grads(e, c, t, Tuning(backward="sparse", first_order=fo))
     assert seen == [True, False]
