@@ -104,8 +104,16 @@ def loss_backward(
     )  # fmt: skip
 
 
-# Rows per chunk of the sparse backward's O(rows x tiles) temporaries.
-_SPARSE_ROWS = 1024
+# Bytes of each temporary of _dc_inputs' row chunks (fp32 [rows, tiles], the gathered [rows, D]
+# rows): one chunk up to these sizes, since every chunk costs about ten host launches and small
+# steps are bound by the host (docs/benchmarks.md).
+_SPARSE_CHUNK_BYTES = 32 << 20
+
+
+def _chunk_rows(n_tiles: int, D: int, elem_bytes: int) -> int:
+    """Rows per chunk of _dc_inputs: temporaries of at most _SPARSE_CHUNK_BYTES, at least 1024 rows."""
+    by_tiles = _SPARSE_CHUNK_BYTES // (4 * max(1, n_tiles))
+    return max(1024, min(by_tiles, _SPARSE_CHUNK_BYTES // max(1, D * elem_bytes)))
 
 
 def compact_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,8 +285,9 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
         srow = torch.empty(N, dtype=f32, device=dev)  # alpha_i S_i
         mass = torch.zeros(nt, dtype=f32, device=dev)
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
-    for s in range(0, N, _SPARSE_ROWS):
-        t = min(s + _SPARSE_ROWS, N)
+    step = _chunk_rows(nt, D, e2d.element_size())
+    for s in range(0, N, step):
+        t = min(s + step, N)
         # 0 for kept tiles and ignored rows (code 255)
         M = decode_tile_mass(code[s:t])
         if live is not None:  # tiles of dense slabs: no correction
