@@ -58,11 +58,19 @@ class FirstOrder:
     tile_of: torch.Tensor | None = None
 
 
+# The first-order GEMMs' time per flop relative to the dense slabs' (their D x D outputs
+# reduce over V or N by split-K atomics). Measured on an H100 at llama3-70b's head (D = 8192,
+# N = 8192, random logits): the Gram kernels and the dC term ran at 300-330 TFLOP/s, the dense
+# slabs at 650 (docs/benchmarks.md); counted at par, the terms were turned on where they cost
+# more than the slabs they replaced (132 ms against 112 without them).
+SLOWDOWN = 2.0
+
+
 def first_order_cost(N: int, V: int, D: int, slab_width: int) -> float:
-    """The first-order terms' work in dense slabs of ``slab_width`` classes (3 passes of
+    """The first-order terms' time in dense slabs of ``slab_width`` classes (3 passes of
     2 N width D each): Gbar V D^2 (symmetric), H and the dE term 2 N D^2 each, the dC term
-    2 V D^2."""
-    return (3.0 * V * D + 4.0 * N * D) / (6.0 * max(N, 1) * max(slab_width, 1))
+    2 V D^2, at SLOWDOWN times a slab's time per flop."""
+    return SLOWDOWN * (3.0 * V * D + 4.0 * N * D) / (6.0 * max(N, 1) * max(slab_width, 1))
 
 
 def first_order_config(tma: bool = False) -> tuple[int, int, int, int, int]:
