@@ -196,7 +196,10 @@ def sparse_backward(
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1):
         errors = cost = cm = None
         if slab_error < 1:
-            if first_order:
+            n_slabs = -(-nt // tps)
+            if first_order and first_order_cost(N, V, D, tps * BV) < n_slabs:
+                # (At a cost of n_slabs or more the rule never turns the terms on: their
+                # operands, D x D buffers, and gated launches are then left out.)
                 cm = tile_means(c, vperm, BV, f32)
                 cost = first_order_cost(N, V, D, tps * BV)
             errors = slab_errors(

@@ -340,3 +340,29 @@ def test_option_reaches_the_backward(monkeypatch):
     for fo in (True, False):
         _grads(e, c, t, Tuning(backward="sparse", first_order=fo))
     assert seen == [True, False]
+
+
+def test_terms_left_out_where_they_cannot_pay(monkeypatch):
+    """With fewer rows than D the terms' D x D work costs more than every slab (first_order_cost
+    >= the slab count), so the rule can never turn them on: their operands are not built and the
+    gradients are those of first_order=False, bit for bit."""
+    N, D, V = 16, 64, 600
+    e, c, t = _near_uniform(N, D, V, std=0.2)
+    BV = stats_blocks(torch.float32)[1]
+    assert first_order_cost(N, V, D, -(-V // BV) * BV) >= 1  # one slab holds the whole vocabulary
+    built = []
+    orig = TB.first_order_terms
+
+    def spy(*a, **k):
+        built.append(1)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(TB, "first_order_terms", spy)
+    grads = {}
+    for fo in (True, False):
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        o = CCEOptions(impl="triton", filter_eps=EPS, tuning=Tuning(backward="sparse", first_order=fo))
+        linear_cross_entropy_with_options(ee, cc, t, None, None, o).backward()
+        grads[fo] = (ee.grad, cc.grad)
+    assert not built
+    assert torch.equal(grads[True][0], grads[False][0]) and torch.equal(grads[True][1], grads[False][1])
