@@ -16,6 +16,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -87,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the shape x data matrix (bench/matrix.py): linear level, fwd+bwd, every regime unless --data",
     )
     ap.add_argument("--matrix-heads", help="comma list of the matrix's heads (default all)")
+    ap.add_argument(
+        "--resume",
+        type=Path,
+        help="an earlier result JSON of the same command: its rows are kept and only the missing ones run",
+    )
     ap.add_argument("--matrix-n", help="comma list of the matrix's token counts (default 2048,8192,32768)")
     return ap
 
@@ -137,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         seed=args.seed, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, min_reps=args.min_reps,
         out_dir=None if args.no_save else (args.out or RESULTS), plots=not args.no_plots,
         tag=args.tag or ("sweep" if args.sweep else ""), log=lambda s: print(s, flush=True),
+        resume_rows=tuple(json.loads(args.resume.read_text())["rows"]) if args.resume else (),
     )  # fmt: skip
 
 

@@ -69,6 +69,8 @@ class Config:
     plots: bool = True
     tag: str = ""
     log: Callable[[str], None] = print
+    # Rows of an earlier result (--resume): the rows with the same key are kept and not re-run.
+    resume_rows: tuple[dict, ...] = ()
 
 
 def fingerprint(*tensors: torch.Tensor) -> list[int]:
@@ -377,6 +379,21 @@ def _case_inputs(lvl: str, shape: Shape, regime: str, device, cfg: Config, base:
     return {}, err
 
 
+def row_key(row: dict, provider: str) -> tuple:
+    """What identifies a row of a result: (level, shape, regime, mode, provider)."""
+    return (row["level"], row["shape"], row["regime"], row["mode"], provider)
+
+
+def _all_cases(cfg: Config) -> list[dict]:
+    return [
+        dict(level=p_lvl, shape=shape.name, regime=regime, mode=mode)
+        for p_lvl in cfg.levels
+        for shape in cfg.shapes
+        for regime in cfg.regimes
+        for mode in cfg.modes
+    ]
+
+
 def run(cfg: Config) -> dict:
     """Runs every (level, shape, regime, mode, provider) row of ``cfg``; returns the result dict."""
     device = torch.device(cfg.device)
@@ -396,7 +413,11 @@ def run(cfg: Config) -> dict:
         "argv": sys.argv[1:],
         "git": _git_commit(),
     }  # fmt: skip
-    rows: list[dict] = []
+    keys = {row_key(c, p.name) for c in _all_cases(cfg) for p in cfg.providers}
+    rows: list[dict] = [r for r in cfg.resume_rows if row_key(r, r["provider"]) in keys]
+    done = {row_key(r, r["provider"]) for r in rows}
+    if rows:
+        meta["resumed_rows"] = len(rows)
     want = {lvl: [p for p in cfg.providers if p.level == lvl] for lvl in cfg.levels}
     cases = [
         (lvl, shape, regime)
@@ -417,6 +438,10 @@ def run(cfg: Config) -> dict:
         t0 = time.perf_counter()
         base = dict(level=lvl, shape=shape.name, N=shape.N, D=shape.D, V=shape.V, regime=regime,
                     sweep=shape.sweep)  # fmt: skip
+        todo = [(m, p) for m in cfg.modes for p in want[lvl] if m in p.modes]
+        if all(row_key(dict(base, mode=m), p.name) in done for m, p in todo):
+            i += len(todo)  # every row of this case is in the resumed result: no inputs made
+            continue
         inputs, setup_err = _case_inputs(lvl, shape, regime, device, cfg, base)
         cfg.log(
             f"# {lvl} {shape.name} (N={shape.N}, D={shape.D}, V={shape.V}) {regime}: inputs + reference "
@@ -435,6 +460,8 @@ def run(cfg: Config) -> dict:
                 if mode not in p.modes:
                     continue
                 i += 1
+                if row_key(case, p.name) in done:
+                    continue
                 if setup_err is not None:
                     row = dict(case, provider=p.name, status=setup_err[0], error="inputs: " + setup_err[1])
                 else:

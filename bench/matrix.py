@@ -3,7 +3,8 @@ counts, in every data regime, cce default and exact against every peer, summaris
 the speedup of cce's default over the fastest peer (issue 15's table).
 
 A full matrix takes longer than one device call: ``--matrix-heads`` and ``--matrix-n`` select a
-slice, and ``python -m bench.matrix FILE.json ...`` prints the summary of several runs' JSON.
+slice, ``--resume FILE.json`` continues a run cut short (its rows kept, the missing ones run),
+and ``python -m bench.matrix FILE.json ...`` prints the summary of several runs' JSON.
 """
 
 from __future__ import annotations

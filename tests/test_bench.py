@@ -252,3 +252,47 @@ def test_matrix_config_and_summary():
     text = summarize(rows)
     assert "| s | zipf | 2.00 | 3.00 | torch-compile | 4.00 | 2.00 | yes |" in text
     assert "geometric mean of (fastest peer / cce default) over 1 cells: 2.00" in text
+
+
+def test_resume_runs_only_the_missing_rows(tmp_path, one_thread, monkeypatch):
+    """--resume: the rows of an earlier result with the same (level, shape, regime, mode,
+    provider) are kept as they are; only the others run, and a case whose rows are all there
+    makes no inputs (the real / init regimes train a model for them). Rows outside the command
+    are dropped."""
+    import bench.harness as H
+
+    by_name = {p.name: p for p in all_providers()}
+    kw = dict(device="cpu", rep_ms=1.0, min_reps=2, plots=False, log=lambda s: None, levels=(LINEAR,))
+    shapes = [Shape("a", 24, 8, 40), Shape("b", 16, 8, 30)]
+    first = run(Config(shapes=shapes[:1], providers=[by_name["torch"]], out_dir=tmp_path, **kw))
+    stray = dict(first["rows"][0], shape="elsewhere")
+    calls, made = [], []
+    orig_row, orig_inputs = H.run_row, H._case_inputs
+    monkeypatch.setattr(
+        H, "run_row", lambda p, case, *a: calls.append((case["shape"], p.name)) or orig_row(p, case, *a)
+    )
+    monkeypatch.setattr(
+        H, "_case_inputs", lambda lvl, shape, *a: made.append(shape.name) or orig_inputs(lvl, shape, *a)
+    )
+    cfg = Config(
+        shapes=shapes, providers=[by_name["torch"], by_name["chunked8"]], out_dir=None,
+        resume_rows=(*first["rows"], stray), **kw,
+    )  # fmt: skip
+    second = run(cfg)
+    n_cases = len(data.REGIMES) * 2  # regimes x modes
+    assert second["meta"]["resumed_rows"] == n_cases
+    assert not any(sh == "a" and p == "torch" for sh, p in calls)
+    assert sorted(set(calls)) == [("a", "chunked8"), ("b", "chunked8"), ("b", "torch")]
+    assert second["rows"][:n_cases] == first["rows"]
+    assert len(second["rows"]) == 4 * n_cases and all(r["shape"] != "elsewhere" for r in second["rows"])
+    made.clear()
+    third = run(
+        Config(
+            shapes=shapes[:1],
+            providers=[by_name["torch"]],
+            out_dir=None,
+            resume_rows=tuple(first["rows"]),
+            **kw,
+        )
+    )
+    assert third["rows"] == first["rows"] and made == []  # every row there: no inputs made
