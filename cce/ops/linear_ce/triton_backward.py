@@ -196,12 +196,12 @@ def sparse_backward(
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1):
         errors = cost = cm = None
         if slab_error < 1:
-            n_slabs = -(-nt // tps)
-            if first_order and first_order_cost(N, V, D, tps * BV) < n_slabs:
-                # (At a cost of n_slabs or more the rule never turns the terms on: their
+            fo_cost = first_order_cost(N, V, D, tps * BV)
+            if first_order and fo_cost < -(-nt // tps):
+                # (At a cost of the slab count or more the rule never turns the terms on: their
                 # operands, D x D buffers, and gated launches are then left out.)
                 cm = tile_means(c, vperm, BV, f32)
-                cost = first_order_cost(N, V, D, tps * BV)
+                cost = fo_cost
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
                 BN, BV, tps * BV, cm=cm,
