@@ -86,6 +86,7 @@ def linear_backward(
     label_smoothing: float,
     flops: float = math.inf,
     cuda: bool = True,
+    fused_ok: bool = False,
 ) -> str:
     """The Triton backward of a linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
     cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
@@ -95,17 +96,50 @@ def linear_backward(
     ``flops`` (2 N V D, one pass of the logits matmul): with ``backward="auto"`` a filtered call
     below ``tuning.sparse_min_flops`` (None: SPARSE_MIN_FLOPS_CUDA for ``cuda`` tensors, else 0)
     takes the exact path, which is then the faster one (the filtered backwards' fixed costs,
-    their ordering, statistics and plan, outweigh what skipping saves) and has no filter error."""
+    their ordering, statistics and plan, outweigh what skipping saves) and has no filter error.
+
+    ``fused_ok`` (fused_fits): the exact gradients are formed in the forward instead ("fused",
+    three matmul passes instead of four) wherever the exact path would run."""
+    exact = "fused" if fused_ok else "exact"
     if filter_eps <= 0:
-        return "exact"
+        return exact
     min_flops = tuning.sparse_min_flops
     if min_flops is None:
         min_flops = SPARSE_MIN_FLOPS_CUDA if cuda else 0.0
     if tuning.backward == "auto" and flops < min_flops:
-        return "exact"
+        return exact
     applies = (need_de or need_dc) and not need_dbias and not (softcap > 0 and label_smoothing > 0)
     if tuning.backward == "recompute" or not applies:
         return "recompute"
     if tuning.backward == "auto" and filter_eps < SPARSE_MIN_EPS:
         return "recompute"
     return "sparse"
+
+
+# The fused exact path forms dZ from fp32 logits in memory: about 12 bytes of memory traffic
+# per logit more than the exact backward (the logits written in fp32 and read twice), against one
+# matmul pass (2 D flops per logit) less. At an H100's ~200 flops per byte of bandwidth that pays
+# from D ~ 1000 on; below, only where the step is small enough to be bound by the host's launches,
+# of which the fused path issues half (docs/benchmarks.md, "The fused exact path").
+FUSED_MIN_D = 1024
+FUSED_HOST_BOUND_LOGITS = 1 << 29
+
+
+def fused_fits(
+    tuning: Tuning, reduction: str, dtype: torch.dtype, N: int, V: int, D: int, need_grad: bool
+) -> bool:
+    """Whether the fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) serves a training
+    step where the exact backward would run: the upstream gradient is a scalar (reduction "mean"
+    or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
+    of a "mean" falls below its normal range); it is the faster one (D >= FUSED_MIN_D, or at most
+    FUSED_HOST_BOUND_LOGITS logits); and its memory is bounded: the logits fit one chunk of
+    ``tuning.fused_chunk_bytes``, or the fp32 dC accumulator that several chunks need (V D 4
+    bytes) fits that budget too."""
+    if not (tuning.fused and need_grad and reduction in ("mean", "sum")):
+        return False
+    if dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if D < FUSED_MIN_D and N * V > FUSED_HOST_BOUND_LOGITS:
+        return False
+    one_chunk = 4 * N * (-(-V // 16) * 16) <= tuning.fused_chunk_bytes  # rows padded to 16 classes
+    return one_chunk or 4 * V * D <= tuning.fused_chunk_bytes

@@ -110,6 +110,26 @@ def row_upstream(grad_loss: torch.Tensor, w_t: torch.Tensor, reduction: str, n: 
     return g
 
 
+def affine_coefficients(
+    g: torch.Tensor,
+    w_t: torch.Tensor,
+    W: torch.Tensor | float,
+    valid: torch.Tensor,
+    k: LossConsts,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(a0, a1, beta, gamma) per row with alpha = a0 + a1 lse (no lse gradient h): for kernels
+    that compute lse themselves. a1 is None without z-loss; all zero at ignored rows."""
+    ls = k.label_smoothing
+    g = torch.where(valid, g, 0.0)
+    beta = g * ((1.0 - ls) * w_t)
+    a = (1.0 - ls) * w_t
+    if k.smoothing:
+        a = a + ls * W / k.num_classes
+    a1 = (g * (2.0 * k.z_loss)).contiguous() if k.z_loss else None
+    gamma = g * (ls / k.num_classes)
+    return (g * a).contiguous(), a1, beta.contiguous(), gamma.contiguous()
+
+
 def coefficients(
     g: torch.Tensor,
     h: torch.Tensor | None,
@@ -120,16 +140,9 @@ def coefficients(
     k: LossConsts,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(alpha, beta, gamma) per row; all zero at ignored rows."""
-    ls = k.label_smoothing
-    g = torch.where(valid, g, 0.0)
-    beta = g * ((1.0 - ls) * w_t)
-    a = (1.0 - ls) * w_t
-    if k.smoothing:
-        a = a + ls * W / k.num_classes
-    if k.z_loss:
-        a = a + 2.0 * k.z_loss * lse
-    alpha = g * a
+    alpha, a1, beta, gamma = affine_coefficients(g, w_t, W, valid, k)
+    if a1 is not None:
+        alpha = alpha + a1 * lse
     if h is not None:
         alpha = alpha + torch.where(valid, h.float(), 0.0)
-    gamma = g * (ls / k.num_classes)
-    return alpha.contiguous(), beta.contiguous(), gamma.contiguous()
+    return alpha.contiguous(), beta, gamma

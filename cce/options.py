@@ -91,6 +91,14 @@ class Tuning:
             path is the faster one and has no filter error. None: SPARSE_MIN_FLOPS_CUDA on CUDA
             tensors (calibrated on an H100, docs/benchmarks.md), 0 elsewhere (the Triton
             interpreter has no speed to gain, and its tests exercise the filtered paths).
+        fused: wherever the exact backward would run (filter_eps None or 0, or a problem below
+            ``sparse_min_flops``) and the loss's upstream gradient is a scalar (reduction
+            ``"mean"`` or ``"sum"``), form the exact gradients in the forward pass instead:
+            three matmul passes instead of four (cce/ops/linear_ce/kernels/fused_grads.py). The
+            backward then only scales them; a gradient through the returned lse costs one more
+            exact pass.
+        fused_chunk_bytes: bytes of the fused path's chunk of fp32 logits; it runs only where the
+            logits fit one chunk or its fp32 dC accumulator (V x D x 4 bytes) fits this budget.
     """
 
     backward: Backward = "auto"
@@ -106,6 +114,8 @@ class Tuning:
     dense_slab_bytes: int = 256 << 20
     first_order: bool = True
     sparse_min_flops: float | None = None
+    fused: bool = True
+    fused_chunk_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.backward not in BACKWARDS:
@@ -116,7 +126,8 @@ class Tuning:
         _check_positive_int("stash_move_bytes", self.stash_move_bytes)
         _check_positive_int("dc_scratch_tiles", self.dc_scratch_tiles, allow_none=True)
         _check_positive_int("dense_slab_bytes", self.dense_slab_bytes)
-        for name in ("dense_slabs", "first_order"):
+        _check_positive_int("fused_chunk_bytes", self.fused_chunk_bytes)
+        for name in ("dense_slabs", "first_order", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("dense_kept", "slab_error"):

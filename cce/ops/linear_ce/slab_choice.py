@@ -21,8 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels.backward_exact import mm_f32
-from .kernels.common import inverse_permutation, tile_sizes
+from .kernels.common import inverse_permutation, mm_f32, tile_sizes
 from .kernels.dense_slabs import slab_products
 from .kernels.tile_stats import decode_tile_mass
 

@@ -21,14 +21,15 @@ import torch
 
 from ... import _math
 from ..._custom_ops import define_op, register_autograd, register_fake
-from ..._dispatch import linear_backward
+from ..._dispatch import fused_fits, linear_backward
 from ...options import Tuning
 from .kernels.common import stats_blocks
 from .kernels.forward import linear_ce_forward
+from .kernels.fused_grads import linear_ce_fused
 from .kernels.stash import code_fits_stash, stash_code
 from .kernels.tile_stats import encode_tile_stats
 from .rows import RowOrder, kernel_operands, vocab_scores
-from .triton_backward import loss_backward, sparse_backward
+from .triton_backward import coefficient_backward, loss_backward, sparse_backward
 
 
 class FwdArgs(NamedTuple):
@@ -317,6 +318,108 @@ def _backward(ctx, g_loss, g_lse, *_aux):
 register_autograd(linear_ce_triton_fwd, _backward, _setup_context)
 
 
+class FusedArgs(NamedTuple):
+    e2d: torch.Tensor
+    c: torch.Tensor
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None
+    rows: torch.Tensor | None
+    targets: torch.Tensor
+    ignore_index: int
+    reduction: str  # "mean" or "sum"
+    softcap: float
+    label_smoothing: float
+    z_loss: float
+    need_de: bool
+    need_dc: bool
+    need_dbias: bool
+    chunk_bytes: int
+    dz_slab_bytes: int  # the exact backward's, for a gradient through lse
+
+
+@define_op(
+    "cce::linear_ce_triton_fused",
+    FusedArgs,
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+)
+def linear_ce_triton_fused(a: FusedArgs):
+    """(loss, lse, dE, dC, dbias): loss and lse as linear_ce_triton_fwd's, and the exact
+    gradients of the loss for an upstream gradient of 1, formed in this forward pass
+    (kernels/fused_grads.py), in the dtypes of e2d, c, bias (empty where not asked for)."""
+    e2d, c, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
+    V = c.shape[0]
+    dev = e2d.device
+    k = _math.LossConsts(a.label_smoothing, a.z_loss, V)
+    valid = a.targets != a.ignore_index
+    safe_t = torch.where(valid, a.targets, 0)
+    w_t = _math.target_weight(weight, a.targets, valid)
+    W = _math.weight_total(weight, V, dev)
+    g = _math.row_upstream(torch.ones((), device=dev), w_t, a.reduction, a.targets.numel())
+    a0, a1, beta, gamma = _math.affine_coefficients(g, w_t, W, valid, k)
+    out = linear_ce_fused(
+        e2d, c, bias, weight, a.rows, safe_t, a0, a1, beta, gamma if k.smoothing else None, a.softcap,
+        a.need_de, a.need_dc, a.need_dbias, a.chunk_bytes,
+    )  # fmt: skip
+    loss = _math.reduce_loss(_math.token_loss(out.lse, out.tgt, out.ssum, w_t, W, valid, k), w_t, a.reduction)
+    return (
+        loss,
+        torch.where(valid, out.lse, 0.0),
+        out.dE.to(a.e2d.dtype) if out.dE is not None else a.e2d.new_empty(0),
+        out.dC.to(a.c.dtype) if out.dC is not None else a.c.new_empty(0),
+        out.dbias.to(bias.dtype) if out.dbias is not None else a.c.new_empty(0),
+    )
+
+
+def _fused_fake(a: FusedArgs):
+    e2d, c, bias = a.e2d, a.c, a.bias
+    f32 = torch.float32
+    return (
+        e2d.new_empty((), dtype=f32),
+        e2d.new_empty((a.targets.shape[0],), dtype=f32),
+        e2d.new_empty(e2d.shape if a.need_de else (0,)),
+        c.new_empty(c.shape if a.need_dc else (0,)),
+        c.new_empty((c.shape[0],) if a.need_dbias else (0,), dtype=bias.dtype if a.need_dbias else c.dtype),
+    )
+
+
+register_fake(linear_ce_triton_fused, _fused_fake)
+
+
+def _fused_setup_context(ctx, a: FusedArgs, output) -> None:
+    _loss, lse, dE, dC, db = output
+    ctx.mark_non_differentiable(dE, dC, db)
+    ctx.set_materialize_grads(False)
+    ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
+    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, dE, dC, db)
+
+
+def _fused_backward(ctx, g_loss, g_lse, *_aux):
+    """The forward's gradients times the (scalar) upstream gradient; a gradient reaching lse
+    adds the exact backward of alpha = g_lse (one more pass)."""
+    a: FusedArgs = ctx.args
+    e2d, c, bias, weight, rows, targets, lse, dE_1, dC_1, db_1 = ctx.saved_tensors
+    need = ctx.needs_input_grad[:3]
+    grads = [None, None, None]
+    if g_loss is not None:
+        # A 0-dim factor keeps each gradient's dtype (one rounding, none for a power of 2).
+        grads = [x * g_loss if n else None for x, n in zip((dE_1, dC_1, db_1), need, strict=True)]
+    if g_lse is not None:
+        valid = targets != a.ignore_index
+        alpha = torch.where(valid, g_lse.float(), 0.0)
+        e2d_k, c_k, bias_k, weight_k = kernel_operands(e2d, c, bias, weight)
+        extra = coefficient_backward(
+            e2d_k, c_k, bias_k, weight_k, rows, targets, lse, alpha, torch.zeros_like(alpha), None,
+            a.ignore_index, a.softcap, 0.0, need[0], need[1], need[2] and bias is not None, a.dz_slab_bytes,
+        )  # fmt: skip
+        for j, (x, ref) in enumerate(zip(extra, (e2d, c, bias), strict=True)):
+            if x is not None and need[j]:
+                grads[j] = x.to(ref.dtype) if grads[j] is None else (grads[j].float() + x).to(ref.dtype)
+    return (*grads, *(None,) * (len(FusedArgs._fields) - 3))
+
+
+register_autograd(linear_ce_triton_fused, _fused_backward, _fused_setup_context)
+
+
 def linear_ce_triton(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -338,10 +441,18 @@ def linear_ce_triton(
     """(loss, lse). need_de / need_dc / need_dbias (what autograd will ask for) choose the
     backward (cce._dispatch.linear_backward): for the sparse one the forward also gathers the
     tile statistics."""
-    flops = 2.0 * targets.numel() * c.shape[0] * c.shape[1]
+    N, (V, D) = targets.numel(), c.shape
+    flops = 2.0 * N * V * D
+    fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
     algo = linear_backward(
-        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda
+        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda, fused
     )  # fmt: skip
+    if algo == "fused":
+        out = linear_ce_triton_fused(
+            e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
+            need_de, need_dc, need_dbias, tuning.fused_chunk_bytes, tuning.dz_slab_bytes,
+        )  # fmt: skip
+        return out[0], out[1]
     if algo == "exact":
         filter_eps = 0.0
     stats = algo == "sparse"

@@ -25,11 +25,13 @@ from ...._dispatch import num_sms
 from ... import jit_math as jm
 from .common import (
     add_target_lo,
+    aligned_parts,
     check_inputs,
     config,
     device_context,
     logit_tile,
     precision,
+    slab_products,
     slab_tiles,
     target_logits,
     tensor_descriptor,
@@ -338,46 +340,8 @@ def linear_ce_backward_exact(
                     E=e2d, C=c, Erow=erow, Tgt=tgt, Beta=beta, TLo=lo, dBias=db, N=N, V=V, D=D,
                     stride_e=e2d.stride(0), stride_c=c.stride(0), stride_dz=slab, tile0=t0, **common,
                 )  # fmt: skip
-        for k0, k1 in _aligned_parts(v1 - v0):
-            _slab_products(DZ[:, k0:k1], c[v0 + k0 : v0 + k1], E_s, dE, dC, v0 + k0, scale)
+        for k0, k1 in aligned_parts(v1 - v0):
+            slab_products(DZ[:, k0:k1], c[v0 + k0 : v0 + k1], E_s, dE, dC, v0 + k0, scale)
     if lo is not None:
         add_target_lo(e2d, c, torch.arange(N, device=dev), tgt, lo, dE, None)
     return out
-
-
-def _aligned_parts(width: int) -> list[tuple[int, int]]:
-    """A slab's columns as [0, width) or, when width is not a multiple of 8 (the last slab of an
-    odd V), [0, width8) and [width8, width): cuBLAS falls back to kernels 4-6x slower on an
-    H100 when the products' class dimension is not a multiple of 8 (docs/benchmarks.md)."""
-    w8 = width - width % 8
-    return [(0, width)] if w8 in (0, width) else [(0, w8), (w8, width)]
-
-
-def _slab_products(dz, c_slab, E_s, dE, dC, v0: int, scale) -> None:
-    """dE += dz @ c_slab (fp32) and dC[v0 : v0 + width] = dz^T @ E_s for one slab's columns."""
-    f32 = torch.float32
-    if dE is not None:
-        if scale is None and dz.is_cuda and dz.dtype != f32:
-            # Accumulated by the GEMM itself (beta = 1, fp32 output): no fp32 [N, D]
-            # temporary per slab to write, read back and add.
-            torch.addmm(dE, dz, c_slab, out_dtype=f32, out=dE)
-        else:
-            dE += mm_f32(dz, c_slab, scale)
-    if dC is not None:
-        v1 = v0 + dz.shape[1]
-        if scale is None and dC.dtype != f32 and dz.is_cuda:
-            # fp32 accumulation inside the GEMM, one rounding to c's dtype, no fp32 temporary.
-            torch.mm(dz.T, E_s, out=dC[v0:v1])
-        else:
-            dC[v0:v1] = mm_f32(dz.T, E_s, scale)
-
-
-def mm_f32(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """a @ b in fp32 (GEMM accumulation in fp32), times ``scale`` if given."""
-    if a.dtype == torch.float32:
-        out = torch.mm(a, b)
-    elif a.is_cuda:
-        out = torch.mm(a, b, out_dtype=torch.float32)
-    else:
-        out = torch.mm(a.float(), b.float())
-    return out if scale is None else out * scale

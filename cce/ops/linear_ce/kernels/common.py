@@ -268,3 +268,51 @@ def add_target_lo(e2d, c, erow, tgt, lo, dE, dC, chunk: int = 8192) -> None:
             dE.index_add_(0, es, ls * c.index_select(0, ts).float())
         if dC is not None:
             dC.index_add_(0, ts, ls * e2d.index_select(0, es).float())
+
+
+# ---------------------------------------------------------------------------------------------
+# cuBLAS gradient products of a dZ slab (the exact backward, the fused forward)
+
+
+def aligned_parts(width: int) -> list[tuple[int, int]]:
+    """A slab's columns as [0, width) or, when width is not a multiple of 8 (the last slab of an
+    odd V), [0, width8) and [width8, width): cuBLAS falls back to kernels 4-6x slower on an
+    H100 when the products' class dimension is not a multiple of 8 (docs/benchmarks.md)."""
+    w8 = width - width % 8
+    return [(0, width)] if w8 in (0, width) else [(0, w8), (w8, width)]
+
+
+def slab_products(dz, c_slab, E_s, dE, dC, v0: int, scale, accumulate_dc: bool = False) -> None:
+    """dE += dz @ c_slab (dE fp32) and dC[v0 : v0 + width] = dz^T @ E_s for one slab's columns
+    (``accumulate_dc``: +=, dC fp32)."""
+    f32 = torch.float32
+    if dE is not None:
+        if scale is None and dz.is_cuda and dz.dtype != f32:
+            # Accumulated by the GEMM itself (beta = 1, fp32 output): no fp32 [N, D]
+            # temporary per slab to write, read back and add.
+            torch.addmm(dE, dz, c_slab, out_dtype=f32, out=dE)
+        else:
+            dE += mm_f32(dz, c_slab, scale)
+    if dC is not None:
+        rows = dC[v0 : v0 + dz.shape[1]]
+        if accumulate_dc:
+            if scale is None and dz.is_cuda and dz.dtype != f32:
+                torch.addmm(rows, dz.T, E_s, out_dtype=f32, out=rows)
+            else:
+                rows += mm_f32(dz.T, E_s, scale)
+        elif scale is None and dC.dtype != f32 and dz.is_cuda:
+            # fp32 accumulation inside the GEMM, one rounding to c's dtype, no fp32 temporary.
+            torch.mm(dz.T, E_s, out=rows)
+        else:
+            rows.copy_(mm_f32(dz.T, E_s, scale))
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """a @ b in fp32 (GEMM accumulation in fp32), times ``scale`` if given."""
+    if a.dtype == torch.float32:
+        out = torch.mm(a, b)
+    elif a.is_cuda:
+        out = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        out = torch.mm(a.float(), b.float())
+    return out if scale is None else out * scale

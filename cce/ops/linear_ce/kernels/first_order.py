@@ -37,8 +37,7 @@ import triton
 import triton.language as tl
 
 from ...._dispatch import interpreting
-from .backward_exact import mm_f32
-from .common import device_context, precision, tensor_descriptor, tma_rows_ok, use_tma
+from .common import device_context, mm_f32, precision, tensor_descriptor, tma_rows_ok, use_tma
 
 
 @dataclass

@@ -1,0 +1,255 @@
+"""The fused exact path: loss statistics and gradients in one forward, three matmul passes.
+
+Where the loss's upstream gradient is a scalar (reduction "mean" or "sum"), every row's
+coefficients are known once its lse is: dZ = (alpha p - beta [v == t] - gamma w) softcap'(z)
+with alpha = a0 + a1 lse (cce/_math.py, for an upstream gradient of 1). So the gradients can be
+formed while a row chunk's logits are in memory, and the backward only scales them:
+
+    per chunk of n rows:  Z = E_c @ C^T            cuBLAS, fp32 output  [n, V]   (pass 1)
+                          lse, tgt, ssum; dZ        _fused_rows_kernel, in place
+                          dE_c = dZ @ C             cuBLAS, fp32 output  [n, D]   (pass 2)
+                          dC  (+)= dZ^T @ E_c       cuBLAS                [V, D]   (pass 3)
+
+against four passes of the exact backward (forward, dZ recompute, two products). The price is
+memory: one chunk of fp32 logits (``chunk_bytes``) and, with more than one chunk, an fp32 dC
+accumulator; the dispatcher (cce._dispatch.fused_fits) takes this path only where those are
+bounded.
+
+Layout of the chunk buffer: fp32 rows of Vp = V rounded up to 8 classes (16-byte aligned rows for
+cuBLAS, also at odd V). dZ is written in place over the logits in the operand dtype: row i's dZ
+occupies the first half of row i's bytes (16-bit operands; the same entries for fp32). The row
+kernel reads entry v before it writes entry v, and entry v of the 16-bit row lies within fp32
+entries < v + 1 of the same row, so nothing is overwritten before it is read. The gradient
+products read dZ with a leading dimension of 2 Vp (16-bit) or Vp.
+
+Rounding (as in kernels/dz.py): the target term is formed inside dZ before rounding, and its
+rounding remainder dZ_it - round(dZ_it) (16-bit operands) goes back into dE in fp32. Ignored rows
+have zero coefficients, so their dZ rows are zero; they cost their share of the matmuls (no row
+compaction, which would need the valid count on the host).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import interpreting
+from ... import jit_math as jm
+from .common import aligned_parts, check_inputs, device_context, mm_f32, slab_products
+
+# Rows of the chunk buffer: fp32 logits padded to a multiple of PAD_CLASSES classes (the row
+# kernel's loads and stores then come in whole vectors, also at odd V).
+PAD_CLASSES = 16
+
+
+def padded_classes(V: int) -> int:
+    return -(-V // PAD_CLASSES) * PAD_CLASSES
+
+
+def chunk_rows(N: int, V: int, chunk_bytes: int) -> int:
+    """Rows per chunk: as many fp32 logit rows as ``chunk_bytes`` hold (at least one)."""
+    return max(1, min(N, chunk_bytes // (4 * padded_classes(V))))
+
+
+# The row kernel's maths, for row i of the chunk (z: fp32 logits from cuBLAS):
+#   L_v = softcap(z_v + bias_v)                                   (pass A and pass B)
+#   pass A: m, s online over the row: lse = m + log(sum_v exp(L_v - m)); tgt = L_t;
+#           ssum = sum_v w_v L_v (smoothing)
+#   pass B: alpha = a0 + a1 lse; dZ_v = (alpha exp(L_v - lse) - beta [v == t] - gamma w_v)
+#           (1 - tanh^2) rounded to the operand dtype in place; lo = dZ_t - round(dZ_t).
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+        "HAS_SMOOTH": lambda a: a["Gamma"] is not None,
+        "HAS_ZLOSS": lambda a: a["A1"] is not None,
+        "TARGET_LO": lambda a: a["Lo"] is not None,
+    }
+)
+@triton.jit
+def _fused_rows_kernel(
+    Z,  # [n, Vp] fp32 logits of the chunk (without bias)
+    DZ,  # the same storage as the operand dtype: row i at DZ + i * stride_dz
+    Bias, W,  # [V] or None
+    Tgt,  # [N] int64 target (0 at ignored rows)
+    A0, A1, Beta, Gamma,  # [N] fp32 coefficients (A1: None without z-loss; Gamma: without smoothing)
+    Lse, Tz, Ssum, Lo,  # [N] fp32 outputs (Ssum with smoothing, Lo with 16-bit operands)
+    row0, V, Vp, stride_z, stride_dz, softcap,
+    HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    TARGET_LO: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One chunk row per program: its statistics, then its dZ row in place of its logits."""
+    r = tl.program_id(0).to(tl.int64)
+    i = row0 + r  # problem row
+    z_row = Z + r * stride_z
+    dz_row = DZ + r * stride_dz
+    t = tl.load(Tgt + i)
+    offs = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    zt = 0.0
+    ssum = 0.0
+    # The loops walk the padded row (Vp, a multiple of 16: whole vectors for the loads and
+    # stores); the pad classes [V, Vp) (zeros) are masked by value (`live`).
+    for v0 in range(0, Vp, BLOCK_V):
+        vid = v0 + offs
+        live = vid < V
+        L = tl.load(z_row + vid, mask=vid < Vp, other=0.0)  # [BLOCK_V]
+        if HAS_BIAS:
+            L += tl.load(Bias + vid, mask=live, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            L, _th = jm.softcap(L, softcap)
+        Lm = tl.where(live, L, -float("inf"))
+        m_new = tl.maximum(m, tl.max(Lm, axis=0))
+        s = s * jm.exp(m - m_new) + tl.sum(jm.exp(Lm - m_new), axis=0)
+        m = m_new
+        zt += tl.sum(tl.where(vid == t, L, 0.0), axis=0)
+        if HAS_SMOOTH:
+            if HAS_WEIGHT:
+                w = tl.load(W + vid, mask=live, other=0.0).to(tl.float32)
+                ssum += tl.sum(tl.where(live, L * w, 0.0), axis=0)
+            else:
+                ssum += tl.sum(tl.where(live, L, 0.0), axis=0)
+    lse = m + tl.log(s)
+    alpha = tl.load(A0 + i)
+    if HAS_ZLOSS:
+        alpha += tl.load(A1 + i) * lse
+    beta = tl.load(Beta + i)
+    if HAS_SMOOTH:
+        gamma = tl.load(Gamma + i)
+    lo = 0.0
+    for v0 in range(0, Vp, BLOCK_V):
+        vid = v0 + offs
+        live = vid < V
+        L = tl.load(z_row + vid, mask=vid < Vp, other=0.0)
+        if HAS_BIAS:
+            L += tl.load(Bias + vid, mask=live, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            L, th = jm.softcap(L, softcap)
+        is_t = vid == t
+        dz = alpha * jm.exp(L - lse) - tl.where(is_t, beta, 0.0)  # [BLOCK_V]
+        if HAS_SMOOTH:
+            if HAS_WEIGHT:
+                dz -= gamma * tl.load(W + vid, mask=live, other=0.0).to(tl.float32)
+            else:
+                dz -= gamma
+        if HAS_SOFTCAP:
+            dz *= 1.0 - th * th
+        dz = tl.where(live, dz, 0.0)
+        dzr = dz.to(DZ.dtype.element_ty)
+        if TARGET_LO:
+            lo += tl.sum(tl.where(is_t, dz - dzr.to(tl.float32), 0.0), axis=0)
+        tl.store(dz_row + vid, dzr, mask=vid < Vp)
+    tl.store(Lse + i, lse)
+    tl.store(Tz + i, zt)
+    if HAS_SMOOTH:
+        tl.store(Ssum + i, ssum)
+    if TARGET_LO:
+        tl.store(Lo + i, lo)
+
+
+class FusedOut(NamedTuple):
+    """Per problem row (fp32 [N]): lse, target logit, weighted logit sum (None without
+    smoothing); gradients for the given coefficients: dE [M, D] in e2d's dtype, dC in c's dtype,
+    dbias fp32 (None where not asked for)."""
+
+    lse: torch.Tensor
+    tgt: torch.Tensor
+    ssum: torch.Tensor | None
+    dE: torch.Tensor | None
+    dC: torch.Tensor | None
+    dbias: torch.Tensor | None
+
+
+def _logits(ec: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
+    """out (fp32 view [n, V], 16-byte aligned rows) = ec @ c^T, fp32 accumulation; by aligned
+    column parts (common.aligned_parts: at an odd V cuBLAS would take a kernel several times
+    slower for the whole product)."""
+    for k0, k1 in aligned_parts(c.shape[0]):
+        o, cp = out[:, k0:k1], c[k0:k1].T
+        if ec.dtype == torch.float32:
+            torch.mm(ec, cp, out=o)
+        elif ec.is_cuda:
+            torch.mm(ec, cp, out_dtype=torch.float32, out=o)
+        else:
+            o.copy_(mm_f32(ec, cp, None))
+
+
+def linear_ce_fused(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    rows: torch.Tensor | None,
+    safe_t: torch.Tensor,
+    a0: torch.Tensor,
+    a1: torch.Tensor | None,
+    beta: torch.Tensor,
+    gamma: torch.Tensor | None,
+    softcap: float,
+    need_de: bool,
+    need_dc: bool,
+    need_dbias: bool,
+    chunk_bytes: int,
+) -> FusedOut:
+    """Statistics and exact gradients of problem rows ``e2d[rows]`` (``rows`` None: every row of
+    e2d) for targets ``safe_t`` (any class at ignored rows, whose coefficients are 0), with the
+    coefficients a0, a1, beta, gamma of cce/_math.affine_coefficients (gamma None: no smoothing).
+    Operands fp32 or bf16 / fp16 of one dtype (the coefficients must keep dZ in its range)."""
+    check_inputs(e2d, c, bias, weight, rows, safe_t, a0, a1, beta, gamma)
+    N = safe_t.numel()
+    V, D = c.shape
+    M = e2d.shape[0]
+    dev, f32 = e2d.device, torch.float32
+    half = e2d.dtype != f32
+    lse = torch.empty(N, dtype=f32, device=dev)
+    tgt = torch.empty(N, dtype=f32, device=dev)
+    ssum = torch.empty(N, dtype=f32, device=dev) if gamma is not None else None
+    lo = torch.empty(N, dtype=f32, device=dev) if (half and (need_de or need_dbias)) else None
+    dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
+    dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
+    n = chunk_rows(N, V, chunk_bytes)
+    multi = n < N
+    dC = None
+    if need_dc:
+        # One chunk: each class's rows are written once (fp32 accumulation inside the GEMM);
+        # several: accumulated in fp32 and rounded at the end.
+        make = torch.zeros if (multi or N == 0) else torch.empty
+        dC = make((V, D), dtype=f32 if multi else c.dtype, device=dev)
+    Vp = padded_classes(V)
+    buf = torch.empty((min(n, N), Vp), dtype=f32, device=dev)
+    buf[:, V:].zero_()  # the pad classes: never written by the logits GEMM
+    BLOCK_V = 32 if interpreting() else 1024
+    with device_context(dev):
+        for s in range(0, N, n):
+            t = min(N, s + n)
+            ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
+            z = buf[: t - s, :V]
+            _logits(ec, c, z)
+            dzb = buf[: t - s].view(e2d.dtype)  # [rows, Vp * 4 / itemsize], same storage
+            _fused_rows_kernel[(t - s,)](
+                Z=z, DZ=dzb, Bias=bias, W=weight, Tgt=safe_t, A0=a0, A1=a1, Beta=beta, Gamma=gamma,
+                Lse=lse, Tz=tgt, Ssum=ssum, Lo=lo, row0=s, V=V, Vp=Vp,
+                stride_z=buf.stride(0), stride_dz=dzb.stride(0), softcap=float(softcap),
+                HAS_SOFTCAP=softcap > 0, BLOCK_V=BLOCK_V, num_warps=4,
+            )  # fmt: skip
+            dz = dzb[:, :V]
+            if dbias is not None:
+                dbias += torch.sum(dz, 0, dtype=f32)
+            dE_c = None if dE is None else dE[s:t]
+            for k0, k1 in aligned_parts(V):
+                slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dC, k0, None, accumulate_dc=multi)
+    if lo is not None and dE is not None:
+        dE.addcmul_(lo[:, None], c.index_select(0, safe_t))
+    if dbias is not None and lo is not None:
+        dbias.index_add_(0, safe_t, lo)
+    if dE is not None:
+        dE = dE.to(e2d.dtype)
+        if rows is not None:
+            dE = torch.zeros((M, D), dtype=e2d.dtype, device=dev).index_copy_(0, rows, dE)
+    if multi and dC is not None:
+        dC = dC.to(c.dtype)
+    return FusedOut(lse, tgt, ssum, dE, dC, dbias)

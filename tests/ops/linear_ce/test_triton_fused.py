@@ -1,0 +1,183 @@
+"""The fused exact path (cce/ops/linear_ce/kernels/fused_grads.py): gradients formed in the
+forward, against the float64 oracle under random upstream gradients, under the Triton
+interpreter (fp32; bf16 arithmetic is wrong there, fp16 never takes this path).
+
+Tolerances as in test_triton_linear.py: fp32 logits from K <= 96 products and fp32 sums over V,
+so 1e-5 on the loss and 2e-5 relative L2 on the gradients.
+
+Shapes: V off the 16-class padding (150: the row kernel masks the buffer's pad columns), V
+below the interpreter's 32-class row block, a single token; chunk budgets that give one chunk,
+several with a partial last one, and one row per chunk.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cce import Tuning
+from cce._dispatch import FUSED_HOST_BOUND_LOGITS, FUSED_MIN_D, fused_fits, linear_backward
+from tests.helpers import compare_with_reference, make_linear_inputs, rel_err, tuned
+
+pytest.importorskip("triton")
+
+TOL_LOSS, TOL_GRAD = 1e-5, 2e-5
+
+OPTIONS = [
+    {},
+    {"bias": True},
+    {"softcap": 2.5, "label_smoothing": 0.2},
+    {"label_smoothing": 0.1, "weight": True, "z_loss": 1e-2},
+    {"reduction": "sum", "bias": True, "softcap": 4.0},
+    {"shift": True, "weight": True},
+    {"return_lse": True, "z_loss": 1e-3},
+    {"ignore_index": 3},
+]
+
+
+def _inputs(lead, D, V, opts, seed):
+    g = torch.Generator().manual_seed(seed)
+    e, c, t, b = make_linear_inputs(
+        lead, D, V, torch.float32, bias=opts.pop("bias", False), ignore_frac=0.15,
+        ignore_index=opts.get("ignore_index", -100), scale=3.0, generator=g,
+    )  # fmt: skip
+    if opts.pop("weight", False):
+        opts["weight"] = torch.rand(V, generator=g) + 0.5
+    return e, c, t, b, opts
+
+
+def _check(got, ref):
+    (loss, lse, grads), (rloss, rlse, rgrads) = got, ref
+    assert rel_err(loss, rloss) <= TOL_LOSS
+    if rlse is not None:
+        assert rel_err(lse, rlse) <= TOL_LOSS
+    for g, r in zip(grads, rgrads, strict=True):
+        assert g is not None and torch.isfinite(g).all()
+        assert rel_err(g, r) <= TOL_GRAD, rel_err(g, r)
+
+
+def _spy(monkeypatch):
+    """Counts the fused launcher's calls (so a test cannot pass on another path)."""
+    import cce.ops.linear_ce.triton_impl as ti
+
+    calls = []
+    real = ti.linear_ce_fused
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ti, "linear_ce_fused", spy)
+    return calls
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_fused_vs_oracle(opts, chunks, monkeypatch):
+    opts = dict(opts)
+    V, D = 150, 40
+    e, c, t, b, opts = _inputs((4, 16), D, V, opts, seed=len(str(opts)))
+    # Two chunks: the smallest budget that allows several (the fp32 dC accumulator, 4 V D
+    # bytes) holds 37 of the 64 (60 with shift) rows of 160 padded classes.
+    budget = 1 << 30 if chunks == 1 else 4 * V * D
+    calls = _spy(monkeypatch)
+    fn = tuned(fused_chunk_bytes=budget)
+    got, ref = compare_with_reference(
+        lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=3, filter_eps=None, **opts
+    )
+    assert calls, "the fused path did not run"
+    _check(got, ref)
+
+
+@pytest.mark.parametrize("lead,D,V", [((1,), 24, 20), ((37,), 33, 16), ((5,), 8, 257)])
+def test_fused_shapes(lead, D, V, monkeypatch):
+    e, c, t, b, opts = _inputs(lead, D, V, {"bias": True}, seed=D + V)
+    calls = _spy(monkeypatch)
+    got, ref = compare_with_reference(
+        lambda *a, **k: tuned(fused_chunk_bytes=4 * V * D)(*a, impl="triton", **k), e, c, t, b, seed=4,
+        filter_eps=None, **opts,
+    )  # fmt: skip
+    assert calls
+    _check(got, ref)
+
+
+def test_fused_one_row_chunks():
+    """The launcher with one row per chunk (dC accumulated in fp32 over 30 chunks) against one
+    chunk: the same up to fp32 summation order."""
+    from cce.ops.linear_ce.kernels.fused_grads import linear_ce_fused
+
+    e, c, t, b, _ = _inputs((30,), 24, 70, {"bias": True}, seed=9)
+    e, c, b = e.detach(), c.detach(), b.detach()
+    t = t.clamp(min=0)
+    n = t.numel()
+    a0, beta = torch.rand(n) / n, torch.rand(n) / n
+    gamma, a1 = torch.full((n,), 0.01 / n), torch.full((n,), 0.02 / n)
+    outs = [
+        linear_ce_fused(e, c, b, None, None, t, a0, a1, beta, gamma, 3.0, True, True, True, budget)
+        for budget in (1, 1 << 30)
+    ]
+    for x, y in zip(*outs, strict=True):
+        assert rel_err(x, y) <= 1e-6
+
+
+@pytest.mark.parametrize("which", ["e", "c", "bias"])
+def test_fused_partial_requires_grad(which, monkeypatch):
+    """Only the gradients asked for are formed (the others come back None)."""
+    e, c, t, b, _ = _inputs((30,), 40, 100, {"bias": True}, seed=6)
+    for name, x in (("e", e), ("c", c), ("bias", b)):
+        x.requires_grad_(name == which)
+    calls = _spy(monkeypatch)
+    loss = tuned()(e, c, t, b, impl="triton", filter_eps=None)
+    (g,) = torch.autograd.grad(loss * 0.75, [dict(e=e, c=c, bias=b)[which]])
+    ref_loss = tuned(fused=False)(e, c, t, b, impl="triton", filter_eps=None)
+    (r,) = torch.autograd.grad(ref_loss * 0.75, [dict(e=e, c=c, bias=b)[which]])
+    assert calls and rel_err(g, r) <= TOL_GRAD
+
+
+def test_fused_all_ignored():
+    e, c, t, b, _ = _inputs((20,), 40, 70, {"bias": True}, seed=5)
+    t = torch.full_like(t, -100)
+    loss = tuned()(e, c, t, b, impl="triton", filter_eps=None)
+    assert loss == 0
+    loss.backward()
+    for x in (e, c, b):
+        assert x.grad is not None and (x.grad == 0).all()
+
+
+def test_fused_backward_twice():
+    """retain_graph: each backward scales the forward's gradients afresh (nothing in place)."""
+    e, c, t, b, _ = _inputs((20,), 40, 70, {}, seed=8)
+    loss = tuned()(e, c, t, impl="triton", filter_eps=None)
+    g1 = torch.autograd.grad(loss, (e, c), retain_graph=True)
+    g2 = torch.autograd.grad(2.0 * loss, (e, c))
+    for a, b2 in zip(g1, g2, strict=True):
+        assert torch.equal(2.0 * a, b2)
+
+
+def test_fused_dispatch():
+    """Where the fused path runs: scalar upstream gradients, bf16 / fp32, D or size as in
+    _dispatch's cost note, and memory bounded by the chunk budget."""
+    T = Tuning()
+    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
+    assert fused_fits(T, "mean", bf16, 2048, 32000, 4096, True)
+    assert fused_fits(T, "sum", f32, 2048, 32000, 4096, True)
+    assert not fused_fits(T, "none", bf16, 2048, 32000, 4096, True)
+    assert not fused_fits(T, "mean", f16, 2048, 32000, 4096, True)
+    assert not fused_fits(T, "mean", bf16, 2048, 32000, 4096, False)
+    assert not fused_fits(Tuning(fused=False), "mean", bf16, 2048, 32000, 4096, True)
+    # Small D: only at host-bound sizes.
+    small_n = FUSED_HOST_BOUND_LOGITS // 50257
+    assert fused_fits(T, "mean", bf16, small_n, 50257, FUSED_MIN_D - 1, True)
+    assert not fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D - 1, True)
+    assert fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D, True)
+    # Memory: several chunks only where the fp32 dC accumulator fits the budget.
+    budget = 1 << 20
+    assert fused_fits(Tuning(fused_chunk_bytes=budget), "mean", f32, 16, 16000, 1024, True)  # one chunk
+    assert fused_fits(Tuning(fused_chunk_bytes=budget), "mean", f32, 64, 16000, 16, True)  # dC fits
+    assert not fused_fits(Tuning(fused_chunk_bytes=budget), "mean", f32, 64, 16000, 1024, True)
+    # The backward choice: "fused" wherever "exact" would be.
+    args = (True, True, False, 0.0, 0.0)
+    assert linear_backward(T, 0.0, *args, 1e20, True, True) == "fused"
+    assert linear_backward(T, 1 / 256, *args, 1e6, True, True) == "fused"
+    assert linear_backward(T, 1 / 256, *args, 1e20, True, True) == "sparse"
+    assert linear_backward(T, 0.0, *args, 1e6, True, False) == "exact"
