@@ -25,11 +25,11 @@ from ..._dispatch import fused_fits, linear_backward
 from ...options import Tuning
 from .kernels.common import stats_blocks
 from .kernels.forward import linear_ce_forward
-from .kernels.fused_grads import linear_ce_fused
+from .kernels.fused_grads import linear_ce_fused, scale_
 from .kernels.stash import code_fits_stash, stash_code
 from .kernels.tile_stats import encode_tile_stats
 from .rows import RowOrder, kernel_operands, vocab_scores
-from .triton_backward import coefficient_backward, loss_backward, sparse_backward
+from .triton_backward import loss_backward, sparse_backward
 
 
 class FwdArgs(NamedTuple):
@@ -385,31 +385,59 @@ def _fused_fake(a: FusedArgs):
 register_fake(linear_ce_triton_fused, _fused_fake)
 
 
+class ScaleArgs(NamedTuple):
+    x: torch.Tensor  # contiguous, scaled in place
+    s: torch.Tensor  # 0-dim fp32
+
+
+@define_op("cce::scale_", ScaleArgs, None, mutates_args=("x",))
+def scale_inplace(a: ScaleArgs) -> None:
+    """x *= s in place (kernels/fused_grads.scale_)."""
+    scale_(a.x, a.s)
+
+
+register_fake(scale_inplace, lambda a: None)
+
+
 def _fused_setup_context(ctx, a: FusedArgs, output) -> None:
     _loss, lse, dE, dC, db = output
     ctx.mark_non_differentiable(dE, dC, db)
     ctx.set_materialize_grads(False)
     ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
-    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, dE, dC, db)
+    # The forward's gradients stay on ctx, not saved tensors: the backward scales them in place
+    # (no second copy), which would trip autograd's version check on saved tensors.
+    ctx.pre = (dE, dC, db)
+    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse)
 
 
 def _fused_backward(ctx, g_loss, g_lse, *_aux):
-    """The forward's gradients times the (scalar) upstream gradient; a gradient reaching lse
-    adds the exact backward of alpha = g_lse (one more pass)."""
+    """The forward's gradients scaled in place by the (scalar) upstream gradient. A gradient
+    reaching lse, or a second backward through a retained graph (the forward's gradients are
+    then spent), takes the exact backward for what is left (one more pass)."""
     a: FusedArgs = ctx.args
-    e2d, c, bias, weight, rows, targets, lse, dE_1, dC_1, db_1 = ctx.saved_tensors
+    e2d, c, bias, weight, rows, targets, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
+    pre, ctx.pre = ctx.pre, None
     grads = [None, None, None]
-    if g_loss is not None:
-        # A 0-dim factor keeps each gradient's dtype (one rounding, none for a power of 2).
-        grads = [x * g_loss if n else None for x, n in zip((dE_1, dC_1, db_1), need, strict=True)]
-    if g_lse is not None:
+    g_rest = None
+    if g_loss is not None and pre is not None:
+        # (No shortcut for g_loss == 1: a branch on a tensor's value would sync, and is a
+        # data-dependent guard under torch.compile.)
+        for j, x in enumerate(pre):
+            if need[j]:
+                scale_inplace(x, g_loss.float())
+                grads[j] = x
+    elif g_loss is not None:
         valid = targets != a.ignore_index
-        alpha = torch.where(valid, g_lse.float(), 0.0)
+        w_t = _math.target_weight(weight, targets, valid)
+        g_rest = _math.row_upstream(g_loss, w_t, a.reduction, targets.numel()).contiguous()
+    if g_rest is not None or g_lse is not None:
+        if g_rest is None:
+            g_rest = torch.zeros(targets.numel(), dtype=torch.float32, device=targets.device)
         e2d_k, c_k, bias_k, weight_k = kernel_operands(e2d, c, bias, weight)
-        extra = coefficient_backward(
-            e2d_k, c_k, bias_k, weight_k, rows, targets, lse, alpha, torch.zeros_like(alpha), None,
-            a.ignore_index, a.softcap, 0.0, need[0], need[1], need[2] and bias is not None, a.dz_slab_bytes,
+        extra = loss_backward(
+            e2d_k, c_k, bias_k, weight_k, rows, targets, lse, g_rest, g_lse, a.ignore_index, a.softcap,
+            a.label_smoothing, a.z_loss, 0.0, need[0], need[1], need[2] and bias is not None, a.dz_slab_bytes,
         )  # fmt: skip
         for j, (x, ref) in enumerate(zip(extra, (e2d, c, bias), strict=True)):
             if x is not None and need[j]:
