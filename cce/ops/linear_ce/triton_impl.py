@@ -21,7 +21,7 @@ import torch
 
 from ... import _math
 from ..._custom_ops import define_op, register_autograd, register_fake
-from ..._dispatch import fused_fits, linear_backward
+from ..._dispatch import fused_fits, fused_one_chunk, linear_backward
 from ...options import Tuning
 from .kernels.common import stats_blocks
 from .kernels.forward import linear_ce_forward
@@ -473,7 +473,8 @@ def linear_ce_triton(
     flops = 2.0 * N * V * D
     fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
     algo = linear_backward(
-        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda, fused
+        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda, fused,
+        fused_one_chunk(tuning, N, V),
     )  # fmt: skip
     if algo == "fused":
         out = linear_ce_triton_fused(

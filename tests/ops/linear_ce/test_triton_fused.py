@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cce import Tuning
-from cce._dispatch import FUSED_HOST_BOUND_LOGITS, FUSED_MIN_D, fused_fits, linear_backward
+from cce._dispatch import FUSED_HOST_BOUND_LOGITS, FUSED_MIN_D, fused_fits, fused_one_chunk, linear_backward
 from tests.helpers import compare_with_reference, make_linear_inputs, rel_err, tuned
 
 pytest.importorskip("triton")
@@ -184,3 +184,9 @@ def test_fused_dispatch():
     assert linear_backward(T, 1 / 256, *args, 1e6, True, True) == "fused"
     assert linear_backward(T, 1 / 256, *args, 1e20, True, True) == "sparse"
     assert linear_backward(T, 0.0, *args, 1e6, True, False) == "exact"
+    # One chunk: the fused path also serves filtered calls of any size (CUDA, calibrated rule).
+    assert linear_backward(T, 1 / 256, *args, 1e20, True, True, True) == "fused"
+    assert linear_backward(T, 1 / 256, *args, 1e20, False, True, True) == "sparse"
+    assert linear_backward(Tuning(sparse_min_flops=3e12), 1 / 256, *args, 1e20, True, True, True) == "sparse"
+    assert linear_backward(Tuning(backward="sparse"), 1 / 256, *args, 1e20, True, True, True) == "sparse"
+    assert fused_one_chunk(T, 2048, 128256) and not fused_one_chunk(T, 8192, 128256)
