@@ -137,6 +137,30 @@ def test_bias_softcap_mid_size():
     assert db is not None and db.dtype == BF and torch.isfinite(db.float()).all()
 
 
+@pytest.mark.parametrize("regime", ["zipf", "random"])
+def test_fused_path_odd_v_several_chunks(regime, monkeypatch):
+    """The fused exact path in bf16 (the interpreter cannot check it): an odd V (the logits GEMM
+    by aligned parts, padded rows), three row chunks with the fp32 dC accumulator, bias and
+    softcap, against the reference at the exact path's tolerance, and against the four-pass
+    exact backward."""
+    import cce.ops.linear_ce.triton_impl as ti
+
+    calls = []
+    real = ti.linear_ce_fused
+    monkeypatch.setattr(ti, "linear_ce_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    N, D, V = 3000, 1024, 50257
+    e, c, t = make_inputs(N, D, V, regime, dtype=BF, device="cuda", seed=11)
+    bias = (torch.randn(V, device="cuda") * 0.5).to(BF)
+    ref_loss, ref_dE, ref_dC = _ref(e, c, t, bias=bias, softcap=15.0)
+    fused = tuned(fused_chunk_bytes=4 * V * D)  # 1024 rows of 50272 fp32 logits per chunk
+    loss, dE, dC, db = _run(e, c, t, bias, fn=fused, softcap=15.0, filter_eps=None)
+    assert calls, "the fused path did not run"
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert rel_l2(dE, ref_dE) <= 5e-3 and rel_l2(dC, ref_dC) <= 5e-3
+    _, _, _, db4 = _run(e, c, t, bias, fn=tuned(fused=False), softcap=15.0, filter_eps=None)
+    assert db.dtype == BF and rel_l2(db, db4) <= 1e-2
+
+
 def test_sorting_helps_skip_rate():
     """The vocabulary order by mean logit must skip at least as many tiles as id order on zipf."""
     e, c, t = make_inputs(2048, 2048, 128256, "zipf", dtype=BF, device="cuda", seed=4)
