@@ -12,8 +12,13 @@ several with a partial last one, and one row per chunk.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_linear import SETTINGS, build, check_against_oracle, problems
 
 from cce import Tuning
 from cce._dispatch import FUSED_HOST_BOUND_LOGITS, FUSED_MIN_D, fused_fits, fused_one_chunk, linear_backward
@@ -190,3 +195,22 @@ def test_fused_dispatch():
     assert linear_backward(Tuning(sparse_min_flops=3e12), 1 / 256, *args, 1e20, True, True, True) == "sparse"
     assert linear_backward(Tuning(backward="sparse"), 1 / 256, *args, 1e20, True, True, True) == "sparse"
     assert fused_one_chunk(T, 2048, 128256) and not fused_one_chunk(T, 8192, 128256)
+
+
+@settings(SETTINGS, max_examples=25)
+@given(p=problems(dtypes=(torch.float32,)), rows=st.sampled_from([None, 1, 5]))
+def test_fused_property_vs_oracle(p, rows):
+    """Random small problems (shapes, every option, ignored rows, partial requires_grad) with a
+    scalar loss, in one chunk or in chunks of few rows, within test_linear.py's oracle bounds."""
+    import cce.ops.linear_ce.triton_impl as ti
+
+    opts = dict(p["opts"], filter_eps=None, impl="triton")
+    if opts["reduction"] == "none":
+        opts["reduction"] = "mean"
+    e, c, t, b, w = build(p)
+    V, D = p["V"], p["D"]
+    # Several chunks need the fp32 dC accumulator (4 V D bytes) within the budget.
+    budget = 1 << 30 if rows is None else max(rows * 4 * (-(-V // 16) * 16), 4 * V * D)
+    with mock.patch.object(ti, "linear_ce_fused", wraps=ti.linear_ce_fused) as spy:
+        check_against_oracle(e, c, t, b, weight=w, seed=p["seed"], fn=tuned(fused_chunk_bytes=budget), **opts)
+    assert spy.called
