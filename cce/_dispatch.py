@@ -140,18 +140,39 @@ def fused_fits(
     step where the exact backward would run: the upstream gradient is a scalar (reduction "mean"
     or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
     of a "mean" falls below its normal range); it is the faster one (D >= FUSED_MIN_D, or at most
-    FUSED_HOST_BOUND_LOGITS logits); and its memory is bounded: the logits fit one chunk of
-    ``tuning.fused_chunk_bytes``, or the fp32 dC accumulator that several chunks need (V D 4
-    bytes) fits that budget too."""
+    FUSED_HOST_BOUND_LOGITS logits); and its memory is bounded: the logits come in at most
+    FUSED_DIRECT_CHUNKS chunks of ``tuning.fused_chunk_bytes`` (dC accumulates in its own dtype),
+    or the fp32 dC accumulator that more chunks need (V D 4 bytes) fits that budget too."""
     if not (tuning.fused and need_grad and reduction in ("mean", "sum")):
         return False
     if dtype not in (torch.bfloat16, torch.float32):
         return False
     if D < FUSED_MIN_D and N * V > FUSED_HOST_BOUND_LOGITS:
         return False
-    return fused_one_chunk(tuning, N, V) or 4 * V * D <= tuning.fused_chunk_bytes
+    return fused_chunks(tuning, N, V) <= FUSED_DIRECT_CHUNKS or 4 * V * D <= tuning.fused_chunk_bytes
+
+
+# dC of the fused path over several row chunks: up to this many chunks it accumulates in c's
+# dtype (cuBLAS adds each chunk's fp32 product to the stored dC and rounds once per chunk, so a
+# bf16 dC carries at most this many roundings: RMS error ~ sqrt(k) times one rounding's, 2x at
+# k = 4, within bf16's error target); from more chunks on, in an fp32 accumulator of V D 4 bytes.
+FUSED_DIRECT_CHUNKS = 4
+
+
+def fused_chunk_rows(N: int, V: int, chunk_bytes: int) -> int:
+    """Rows per chunk of the fused path: as many fp32 logit rows (padded to 16 classes, 16-byte
+    aligned for cuBLAS) as ``chunk_bytes`` hold, at least one; balanced, so that the chunks have
+    equal rows up to one."""
+    per = max(1, chunk_bytes // (4 * (-(-V // 16) * 16)))
+    k = -(-max(N, 1) // per)
+    return -(-max(N, 1) // k)
+
+
+def fused_chunks(tuning: Tuning, N: int, V: int) -> int:
+    """The fused path's row chunks."""
+    return -(-max(N, 1) // fused_chunk_rows(N, V, tuning.fused_chunk_bytes))
 
 
 def fused_one_chunk(tuning: Tuning, N: int, V: int) -> bool:
     """Whether the fused path's fp32 logits (rows padded to 16 classes) fit one chunk."""
-    return 4 * N * (-(-V // 16) * 16) <= tuning.fused_chunk_bytes
+    return fused_chunks(tuning, N, V) == 1

@@ -69,7 +69,7 @@ def mean_denominator(w_t: torch.Tensor) -> torch.Tensor:
     An all-ignored (or empty) batch divides by 1 instead of 0, so its loss and gradients are 0.
     """
     den = w_t.sum()
-    return torch.where(den != 0, den, torch.ones_like(den))
+    return torch.where(den != 0, den, 1.0)
 
 
 def token_loss(
@@ -83,7 +83,9 @@ def token_loss(
 ) -> torch.Tensor:
     """Per-token loss from the statistics (0 at ignored positions)."""
     ls = k.label_smoothing
-    loss = (1.0 - ls) * w_t * (lse - tgt)
+    loss = w_t * (lse - tgt)
+    if ls:
+        loss = (1.0 - ls) * loss
     if k.smoothing:
         loss = loss + (ls / k.num_classes) * (W * lse - ssum)
     if k.z_loss:
@@ -91,43 +93,51 @@ def token_loss(
     return torch.where(valid, loss, 0.0)
 
 
-def reduce_loss(loss_tok: torch.Tensor, w_t: torch.Tensor, reduction: str) -> torch.Tensor:
+def reduce_loss(
+    loss_tok: torch.Tensor, w_t: torch.Tensor, reduction: str, den: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reduced loss; ``den``: mean_denominator(w_t) if the caller has it already."""
     if reduction == "none":
         return loss_tok
     total = loss_tok.sum()
     if reduction == "sum":
         return total
-    return total / mean_denominator(w_t)
+    return total / (mean_denominator(w_t) if den is None else den)
 
 
-def row_upstream(grad_loss: torch.Tensor, w_t: torch.Tensor, reduction: str, n: int) -> torch.Tensor:
-    """g_i: the gradient reaching each token's loss from the reduced loss' gradient."""
+def row_upstream(
+    grad_loss: torch.Tensor | None, w_t: torch.Tensor, reduction: str, n: int, den: torch.Tensor | None = None
+) -> torch.Tensor | float:
+    """g_i: the gradient reaching each token's loss from the reduced loss' gradient.
+    ``grad_loss`` None: an upstream gradient of 1 ("mean" / "sum"; a scalar, for the fused
+    forward: 1 / den, or 1.0). ``den``: mean_denominator(w_t) if the caller has it already."""
     if reduction == "none":
         return grad_loss.float()
-    g = grad_loss.float().expand(n)
     if reduction == "mean":
-        g = g / mean_denominator(w_t)
-    return g
+        den = mean_denominator(w_t) if den is None else den
+        return den.reciprocal() if grad_loss is None else grad_loss.float().expand(n) / den
+    return 1.0 if grad_loss is None else grad_loss.float().expand(n)
 
 
 def affine_coefficients(
-    g: torch.Tensor,
+    g: torch.Tensor | float,
     w_t: torch.Tensor,
     W: torch.Tensor | float,
     valid: torch.Tensor,
     k: LossConsts,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(a0, a1, beta, gamma) per row with alpha = a0 + a1 lse (no lse gradient h): for kernels
-    that compute lse themselves. a1 is None without z-loss; all zero at ignored rows."""
+    that compute lse themselves. a1 is None without z-loss, gamma None without label smoothing;
+    all zero at ignored rows. Without smoothing a0 is beta (the same tensor)."""
     ls = k.label_smoothing
-    g = torch.where(valid, g, 0.0)
-    beta = g * ((1.0 - ls) * w_t)
-    a = (1.0 - ls) * w_t
+    g = torch.where(valid, g, 0.0).to(w_t.dtype)
+    beta = (g * w_t if not ls else g * ((1.0 - ls) * w_t)).contiguous()
+    a0, gamma = beta, None
     if k.smoothing:
-        a = a + ls * W / k.num_classes
+        a0 = (g * ((1.0 - ls) * w_t + ls * W / k.num_classes)).contiguous()
+        gamma = (g * (ls / k.num_classes)).contiguous()
     a1 = (g * (2.0 * k.z_loss)).contiguous() if k.z_loss else None
-    gamma = g * (ls / k.num_classes)
-    return (g * a).contiguous(), a1, beta.contiguous(), gamma.contiguous()
+    return a0, a1, beta, gamma
 
 
 def coefficients(
@@ -139,10 +149,14 @@ def coefficients(
     valid: torch.Tensor,
     k: LossConsts,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(alpha, beta, gamma) per row; all zero at ignored rows."""
+    """(alpha, beta, gamma) per row; all zero at ignored rows (three distinct tensors)."""
     alpha, a1, beta, gamma = affine_coefficients(g, w_t, W, valid, k)
     if a1 is not None:
         alpha = alpha + a1 * lse
     if h is not None:
         alpha = alpha + torch.where(valid, h.float(), 0.0)
+    if alpha is beta:
+        alpha = alpha.clone()
+    if gamma is None:
+        gamma = torch.zeros_like(beta)
     return alpha.contiguous(), beta, gamma

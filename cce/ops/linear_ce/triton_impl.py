@@ -354,13 +354,17 @@ def linear_ce_triton_fused(a: FusedArgs):
     safe_t = torch.where(valid, a.targets, 0)
     w_t = _math.target_weight(weight, a.targets, valid)
     W = _math.weight_total(weight, V, dev)
-    g = _math.row_upstream(torch.ones((), device=dev), w_t, a.reduction, a.targets.numel())
+    # One divisor for the coefficients and the loss; an upstream gradient of 1 (the backward
+    # scales): the host launches of this O(N) glue count at small N (docs/benchmarks.md).
+    den = _math.mean_denominator(w_t) if a.reduction == "mean" else None
+    g = _math.row_upstream(None, w_t, a.reduction, a.targets.numel(), den)
     a0, a1, beta, gamma = _math.affine_coefficients(g, w_t, W, valid, k)
     out = linear_ce_fused(
-        e2d, c, bias, weight, a.rows, safe_t, a0, a1, beta, gamma if k.smoothing else None, a.softcap,
+        e2d, c, bias, weight, a.rows, safe_t, a0, a1, beta, gamma, a.softcap,
         a.need_de, a.need_dc, a.need_dbias, a.chunk_bytes,
     )  # fmt: skip
-    loss = _math.reduce_loss(_math.token_loss(out.lse, out.tgt, out.ssum, w_t, W, valid, k), w_t, a.reduction)
+    loss_tok = _math.token_loss(out.lse, out.tgt, out.ssum, w_t, W, valid, k)
+    loss = _math.reduce_loss(loss_tok, w_t, a.reduction, den)
     return (
         loss,
         torch.where(valid, out.lse, 0.0),

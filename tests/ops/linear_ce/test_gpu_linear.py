@@ -20,7 +20,7 @@ import torch
 
 from bench.data import make_inputs
 from bench.reference import linear_reference, rel_l2
-from cce import linear_cross_entropy
+from cce import Tuning, linear_cross_entropy
 from tests.helpers import skip_rate, tuned
 
 pytestmark = pytest.mark.gpu
@@ -138,21 +138,26 @@ def test_bias_softcap_mid_size():
 
 
 @pytest.mark.parametrize("regime", ["zipf", "random"])
-def test_fused_path_odd_v_several_chunks(regime, monkeypatch):
+@pytest.mark.parametrize("D, chunks", [(1024, 3), (256, 7)])
+def test_fused_path_odd_v_several_chunks(regime, D, chunks, monkeypatch):
     """The fused exact path in bf16 (the interpreter cannot check it): an odd V (the logits GEMM
-    by aligned parts, padded rows), three row chunks with the fp32 dC accumulator, bias and
-    softcap, against the reference at the exact path's tolerance, and against the four-pass
-    exact backward."""
+    by aligned parts, padded rows), several row chunks (3: dC accumulated in bf16, one rounding
+    per chunk; 7 > FUSED_DIRECT_CHUNKS: in the fp32 accumulator), bias and softcap, against the
+    reference at the exact path's tolerance, and against the four-pass exact backward."""
     import cce.ops.linear_ce.triton_impl as ti
+    from cce._dispatch import FUSED_DIRECT_CHUNKS, fused_chunks
 
     calls = []
     real = ti.linear_ce_fused
     monkeypatch.setattr(ti, "linear_ce_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
-    N, D, V = 3000, 1024, 50257
+    N, V = 3000, 50257
     e, c, t = make_inputs(N, D, V, regime, dtype=BF, device="cuda", seed=11)
     bias = (torch.randn(V, device="cuda") * 0.5).to(BF)
     ref_loss, ref_dE, ref_dC = _ref(e, c, t, bias=bias, softcap=15.0)
-    fused = tuned(fused_chunk_bytes=4 * V * D)  # 1024 rows of 50272 fp32 logits per chunk
+    budget = 4 * 50272 * -(-N // chunks)  # rows of 50272 padded fp32 logits per chunk
+    assert fused_chunks(Tuning(fused_chunk_bytes=budget), N, V) == chunks
+    assert (chunks > FUSED_DIRECT_CHUNKS) == (D == 256)
+    fused = tuned(fused_chunk_bytes=budget)
     loss, dE, dC, db = _run(e, c, t, bias, fn=fused, softcap=15.0, filter_eps=None)
     assert calls, "the fused path did not run"
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))

@@ -7,7 +7,7 @@ so 1e-5 on the loss and 2e-5 relative L2 on the gradients.
 
 Shapes: V off the 16-class padding (150: the row kernel masks the buffer's pad columns), V
 below the interpreter's 32-class row block, a single token; chunk budgets that give one chunk,
-several with a partial last one, and one row per chunk.
+two balanced ones, and one row per chunk.
 """
 
 from __future__ import annotations
@@ -21,7 +21,16 @@ from hypothesis import strategies as st
 from test_linear import SETTINGS, build, check_against_oracle, problems
 
 from cce import Tuning
-from cce._dispatch import FUSED_HOST_BOUND_LOGITS, FUSED_MIN_D, fused_fits, fused_one_chunk, linear_backward
+from cce._dispatch import (
+    FUSED_DIRECT_CHUNKS,
+    FUSED_HOST_BOUND_LOGITS,
+    FUSED_MIN_D,
+    fused_chunk_rows,
+    fused_chunks,
+    fused_fits,
+    fused_one_chunk,
+    linear_backward,
+)
 from tests.helpers import compare_with_reference, make_linear_inputs, rel_err, tuned
 
 pytest.importorskip("triton")
@@ -82,8 +91,8 @@ def test_fused_vs_oracle(opts, chunks, monkeypatch):
     opts = dict(opts)
     V, D = 150, 40
     e, c, t, b, opts = _inputs((4, 16), D, V, opts, seed=len(str(opts)))
-    # Two chunks: the smallest budget that allows several (the fp32 dC accumulator, 4 V D
-    # bytes) holds 37 of the 64 (60 with shift) rows of 160 padded classes.
+    # Two chunks: a budget of 4 V D bytes holds 37 rows of 160 padded classes, so the 64 rows (60
+    # with shift) come in two balanced chunks.
     budget = 1 << 30 if chunks == 1 else 4 * V * D
     calls = _spy(monkeypatch)
     fn = tuned(fused_chunk_bytes=budget)
@@ -178,11 +187,17 @@ def test_fused_dispatch():
     assert fused_fits(T, "mean", bf16, small_n, 50257, FUSED_MIN_D - 1, True)
     assert not fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D - 1, True)
     assert fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D, True)
-    # Memory: several chunks only where the fp32 dC accumulator fits the budget.
-    budget = 1 << 20
-    assert fused_fits(Tuning(fused_chunk_bytes=budget), "mean", f32, 16, 16000, 1024, True)  # one chunk
-    assert fused_fits(Tuning(fused_chunk_bytes=budget), "mean", f32, 64, 16000, 16, True)  # dC fits
-    assert not fused_fits(Tuning(fused_chunk_bytes=budget), "mean", f32, 64, 16000, 1024, True)
+    # Memory: up to FUSED_DIRECT_CHUNKS chunks (dC in its own dtype), more only where the fp32
+    # dC accumulator fits the budget. 16 rows of 16000 fp32 logits per MiB.
+    Tb = Tuning(fused_chunk_bytes=1 << 20)
+    assert fused_chunks(Tb, 16, 16000) == 1 and fused_chunks(Tb, 17, 16000) == 2
+    assert fused_chunks(Tb, 16 * FUSED_DIRECT_CHUNKS, 16000) == FUSED_DIRECT_CHUNKS
+    assert fused_fits(Tb, "mean", f32, 16, 16000, 1024, True)  # one chunk
+    assert fused_fits(Tb, "mean", bf16, 16 * FUSED_DIRECT_CHUNKS, 16000, 1024, True)
+    assert fused_fits(Tb, "mean", f32, 16 * FUSED_DIRECT_CHUNKS + 1, 16000, 16, True)  # dC fits
+    assert not fused_fits(Tb, "mean", f32, 16 * FUSED_DIRECT_CHUNKS + 1, 16000, 1024, True)
+    # Balanced chunks: 33 rows at 16 per chunk are 3 chunks of 11.
+    assert fused_chunk_rows(33, 16000, 1 << 20) == 11
     # The backward choice: "fused" wherever "exact" would be.
     args = (True, True, False, 0.0, 0.0)
     assert linear_backward(T, 0.0, *args, 1e20, True, True) == "fused"
@@ -209,7 +224,8 @@ def test_fused_property_vs_oracle(p, rows):
         opts["reduction"] = "mean"
     e, c, t, b, w = build(p)
     V, D = p["V"], p["D"]
-    # Several chunks need the fp32 dC accumulator (4 V D bytes) within the budget.
+    # More than FUSED_DIRECT_CHUNKS chunks need the fp32 dC accumulator (4 V D bytes) within the
+    # budget (fp32 operands: dC itself).
     budget = 1 << 30 if rows is None else max(rows * 4 * (-(-V // 16) * 16), 4 * V * D)
     with mock.patch.object(ti, "linear_ce_fused", wraps=ti.linear_ce_fused) as spy:
         check_against_oracle(e, c, t, b, weight=w, seed=p["seed"], fn=tuned(fused_chunk_bytes=budget), **opts)

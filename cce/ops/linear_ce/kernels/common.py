@@ -284,7 +284,7 @@ def aligned_parts(width: int) -> list[tuple[int, int]]:
 
 def slab_products(dz, c_slab, E_s, dE, dC, v0: int, scale, accumulate_dc: bool = False) -> None:
     """dE += dz @ c_slab (dE fp32) and dC[v0 : v0 + width] = dz^T @ E_s for one slab's columns
-    (``accumulate_dc``: +=, dC fp32)."""
+    (``accumulate_dc``: +=, in fp32 with one rounding to dC's dtype)."""
     f32 = torch.float32
     if dE is not None:
         if scale is None and dz.is_cuda and dz.dtype != f32:
@@ -297,7 +297,12 @@ def slab_products(dz, c_slab, E_s, dE, dC, v0: int, scale, accumulate_dc: bool =
         rows = dC[v0 : v0 + dz.shape[1]]
         if accumulate_dc:
             if scale is None and dz.is_cuda and dz.dtype != f32:
-                torch.addmm(rows, dz.T, E_s, out_dtype=f32, out=rows)
+                # beta = 1: the stored rows added to the fp32 product inside the GEMM, one
+                # rounding to dC's dtype (fp32, or c's dtype for few chunks of the fused path).
+                if rows.dtype == f32:
+                    torch.addmm(rows, dz.T, E_s, out_dtype=f32, out=rows)
+                else:
+                    torch.addmm(rows, dz.T, E_s, out=rows)
             else:
                 rows += mm_f32(dz.T, E_s, scale)
         elif scale is None and dC.dtype != f32 and dz.is_cuda:

@@ -11,9 +11,9 @@ formed while a row chunk's logits are in memory, and the backward only scales th
                           dC  (+)= dZ^T @ E_c       cuBLAS                [V, D]   (pass 3)
 
 against four passes of the exact backward (forward, dZ recompute, two products). The price is
-memory: one chunk of fp32 logits (``chunk_bytes``) and, with more than one chunk, an fp32 dC
-accumulator; the dispatcher (cce._dispatch.fused_fits) takes this path only where those are
-bounded.
+memory: one chunk of fp32 logits (``chunk_bytes``) and, past FUSED_DIRECT_CHUNKS chunks, an
+fp32 dC accumulator (up to that many, dC accumulates in c's dtype: one rounding per chunk); the
+dispatcher (cce._dispatch.fused_fits) takes this path only where those are bounded.
 
 Layout of the chunk buffer: fp32 rows of Vp = V rounded up to 8 classes (16-byte aligned rows for
 cuBLAS, also at odd V). dZ is written in place over the logits in the operand dtype: row i's dZ
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import interpreting
+from ...._dispatch import FUSED_DIRECT_CHUNKS, fused_chunk_rows, interpreting
 from ... import jit_math as jm
 from .common import aligned_parts, check_inputs, device_context, mm_f32, slab_products
 
@@ -47,11 +47,6 @@ PAD_CLASSES = 16
 
 def padded_classes(V: int) -> int:
     return -(-V // PAD_CLASSES) * PAD_CLASSES
-
-
-def chunk_rows(N: int, V: int, chunk_bytes: int) -> int:
-    """Rows per chunk: as many fp32 logit rows as ``chunk_bytes`` hold (at least one)."""
-    return max(1, min(N, chunk_bytes // (4 * padded_classes(V))))
 
 
 # The row kernel's maths, for row i of the chunk (z: fp32 logits from cuBLAS):
@@ -211,17 +206,19 @@ def linear_ce_fused(
     lo = torch.empty(N, dtype=f32, device=dev) if (half and (need_de or need_dbias)) else None
     dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
     dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
-    n = chunk_rows(N, V, chunk_bytes)
-    multi = n < N
+    n = fused_chunk_rows(N, V, chunk_bytes)
+    chunks = -(-N // n)
+    # dC: written by the first chunk, accumulated by the next ones (cuBLAS, beta = 1: fp32
+    # accumulation, one rounding to the stored dtype per chunk); past FUSED_DIRECT_CHUNKS chunks
+    # in an fp32 buffer, rounded once at the end (cce._dispatch, FUSED_DIRECT_CHUNKS).
+    f32_acc = chunks > FUSED_DIRECT_CHUNKS and c.dtype != f32
     dC = None
     if need_dc:
-        # One chunk: each class's rows are written once (fp32 accumulation inside the GEMM);
-        # several: accumulated in fp32 and rounded at the end.
-        make = torch.zeros if (multi or N == 0) else torch.empty
-        dC = make((V, D), dtype=f32 if multi else c.dtype, device=dev)
+        dC = (torch.zeros if N == 0 else torch.empty)((V, D), dtype=f32 if f32_acc else c.dtype, device=dev)
     Vp = padded_classes(V)
+    # The pad classes [V, Vp) are never written by the logits GEMM: the row kernel masks them
+    # by value and writes their dZ as 0, which the products never read.
     buf = torch.empty((min(n, N), Vp), dtype=f32, device=dev)
-    buf[:, V:].zero_()  # the pad classes: never written by the logits GEMM
     BLOCK_V = 32 if interpreting() else 1024
     with device_context(dev):
         for s in range(0, N, n):
@@ -241,27 +238,70 @@ def linear_ce_fused(
                 dbias += torch.sum(dz, 0, dtype=f32)
             dE_c = None if dE is None else dE[s:t]
             for k0, k1 in aligned_parts(V):
-                slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dC, k0, None, accumulate_dc=multi)
-    if lo is not None and dE is not None:
-        dE.addcmul_(lo[:, None], c.index_select(0, safe_t))
+                slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dC, k0, None, accumulate_dc=s > 0)
     if dbias is not None and lo is not None:
         dbias.index_add_(0, safe_t, lo)
-    if dE is not None:
+    if dE is not None and lo is not None:
+        dE = _finish_de(dE, lo, c, safe_t, rows, M, e2d.dtype)
+    elif dE is not None and rows is not None:
+        dE = torch.zeros((M, D), dtype=e2d.dtype, device=dev).index_copy_(0, rows, dE.to(e2d.dtype))
+    elif dE is not None:
         dE = dE.to(e2d.dtype)
-        if rows is not None:
-            dE = torch.zeros((M, D), dtype=e2d.dtype, device=dev).index_copy_(0, rows, dE)
-    if multi and dC is not None:
+    if f32_acc and dC is not None:
         dC = dC.to(c.dtype)
     return FusedOut(lse, tgt, ssum, dE, dC, dbias)
 
 
+# out[rows[i]] = round(dE_i + lo_i c[t_i]) (rows None: out[i]): the target entries' rounding
+# remainders added in fp32 and dE rounded to the operands' dtype, in one pass over dE.
+@triton.heuristics({"HAS_ROWS": lambda a: a["Rows"] is not None})
+@triton.jit
+def _finish_de_kernel(
+    DE,  # [N, D] fp32, contiguous
+    Lo,  # [N] fp32
+    C,  # [V, D]
+    Tgt,  # [N] int64 (a valid class at every row)
+    Rows,  # [N] int64 output row of each problem row, or None
+    Out,  # [M, D] operands' dtype, contiguous
+    D, stride_c,
+    HAS_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64)
+    t = tl.load(Tgt + i).to(tl.int64)
+    lo = tl.load(Lo + i)
+    r = tl.load(Rows + i).to(tl.int64) if HAS_ROWS else i
+    offs = tl.arange(0, BLOCK_D)
+    for d0 in range(0, D, BLOCK_D):
+        m = (d0 + offs) < D
+        x = tl.load(DE + i * D + d0 + offs, mask=m, other=0.0)  # [BLOCK_D]
+        x += lo * tl.load(C + t * stride_c + d0 + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(Out + r * D + d0 + offs, x.to(Out.dtype.element_ty), mask=m)
+
+
+def _finish_de(dE, lo, c, safe_t, rows, M: int, dtype: torch.dtype) -> torch.Tensor:
+    N, D = dE.shape
+    out = (torch.empty if rows is None else torch.zeros)((M, D), dtype=dtype, device=dE.device)
+    if N:
+        BLOCK_D = 32 if interpreting() else min(1024, triton.next_power_of_2(D))
+        with device_context(dE.device):
+            _finish_de_kernel[(N,)](
+                DE=dE, Lo=lo, C=c, Tgt=safe_t, Rows=rows, Out=out, D=D, stride_c=c.stride(0),
+                BLOCK_D=BLOCK_D, num_warps=4,
+            )  # fmt: skip
+    return out
+
+
 @triton.jit
 def _scale_kernel(X, S, n, BLOCK: tl.constexpr):
-    """X *= S[0] in place, in fp32 (one rounding to X's dtype)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(X + offs, (x * tl.load(S)).to(X.dtype.element_ty), mask=mask)
+    """X *= S[0] in place, in fp32 (one rounding to X's dtype). S[0] == 1 (loss.backward() of the
+    loss itself) leaves X as it is: the programs return without reading it, a branch on the
+    device, so the common step costs a launch instead of a pass over the gradients."""
+    s = tl.load(S)
+    if s != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(X + offs, (x * s).to(X.dtype.element_ty), mask=mask)
 
 
 def scale_(x: torch.Tensor, s: torch.Tensor) -> None:
