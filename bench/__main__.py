@@ -8,6 +8,7 @@ Examples::
     python -m bench --shapes llama3-8b,2048x1024x32000 --providers cce,torch --data zipf --modes fwd+bwd
     python -m bench --list                   # providers and whether they can run here
     python -m bench --matrix --matrix-heads gpt2 --matrix-n 8192   # a slice of the shape x data matrix
+    python -m bench --matrix --matrix-gpus 4 # the whole matrix as one run on 4 GPUs of this host
     python -m bench --check linear [--quick] # correctness of impl="triton" at real sizes (bench/checks.py)
     python -m bench --check logits           # the logits level against the float64 oracle
     torchrun --nproc_per_node 2 -m bench.dist   # vocabulary parallelism on 2 GPUs (bench/dist.py)
@@ -94,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="an earlier result JSON of the same command: its rows are kept and only the missing ones run",
     )
     ap.add_argument("--matrix-n", help="comma list of the matrix's token counts (default 2048,8192,32768)")
+    ap.add_argument(
+        "--matrix-gpus",
+        type=int,
+        default=1,
+        help="run the matrix as one run on this many GPUs of the host: its heads split over that many "
+        "processes, one GPU each, results merged into one JSON",
+    )
     return ap
 
 
@@ -160,12 +168,37 @@ def main(argv: list[str] | None = None) -> int:
         out = None if args.no_save else (args.out or RESULTS)
         return 1 if run_check(args.check, args.quick, out, args.tag) else 0
     cfg = config_from_args(args)
+    if args.matrix and args.matrix_gpus > 1:
+        return _matrix_on_gpus(args, cfg, sys.argv[1:] if argv is None else argv)
     result = run(cfg)
     if args.matrix:
         from .matrix import summarize
 
         print(summarize(result["rows"]))
     return 0
+
+
+def _matrix_on_gpus(args: argparse.Namespace, cfg: Config, argv: list[str]) -> int:
+    from .harness import save
+    from .matrix import MATRIX_HEADS, run_on_gpus, summarize
+
+    drop = {"--matrix-gpus", "--matrix-heads", "--out", "--tag"}
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif a.split("=")[0] not in drop:
+            rest.append(a)
+    heads = _csv(args.matrix_heads) or list(MATRIX_HEADS)
+    out = cfg.out_dir or RESULTS
+    merged = run_on_gpus(rest, heads, args.matrix_gpus, out / "matrix-parts", args.tag)
+    merged["meta"]["argv"] = argv
+    for path in save(merged, out, cfg.plots, args.tag or "matrix"):
+        print(f"# wrote {path}")
+    print(summarize(merged["rows"]))
+    return 0 if all(c == 0 for c in merged["meta"]["part_exit_codes"]) else 1
 
 
 if __name__ == "__main__":

@@ -4,13 +4,18 @@ the speedup of cce's default over the fastest peer (issue 15's table).
 
 A full matrix takes longer than one device call: ``--matrix-heads`` and ``--matrix-n`` select a
 slice, ``--resume FILE.json`` continues a run cut short (its rows kept, the missing ones run),
-and ``python -m bench.matrix FILE.json ...`` prints the summary of several runs' JSON.
+and ``python -m bench.matrix FILE.json ...`` prints the summary of several runs' JSON
+(``--merge OUT.json`` also writes them as one result). On a host with several GPUs,
+``--matrix-gpus K`` runs the matrix as one run on K of them: the heads are split over K
+processes (one GPU each, balanced by D V), whose results are merged into one JSON.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -81,9 +86,69 @@ def summarize(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main(paths: list[str]) -> int:
-    rows = [r for p in paths for r in json.loads(Path(p).read_text())["rows"]]
-    print(summarize(rows))
+def split_heads(heads: list[str], k: int) -> list[list[str]]:
+    """The heads in k groups of about equal work (D V per head, a token count's cost up to a
+    constant), largest first into the lightest group; empty groups dropped."""
+    groups: list[list[str]] = [[] for _ in range(max(1, k))]
+    load = [0] * len(groups)
+    for h in sorted(heads, key=lambda h: -MATRIX_HEADS[h][0] * MATRIX_HEADS[h][1]):
+        i = load.index(min(load))
+        groups[i].append(h)
+        load[i] += MATRIX_HEADS[h][0] * MATRIX_HEADS[h][1]
+    return [g for g in groups if g]
+
+
+def merge(results: list[dict]) -> dict:
+    """Several results of one matrix (slices run side by side, or one after another) as one:
+    the rows of all, the first's meta with every part's GPU, date, duration and completeness."""
+    if not results:
+        raise ValueError("nothing to merge")
+    meta = dict(results[0]["meta"])
+    meta["parts"] = [
+        {k: r["meta"].get(k) for k in ("gpu", "date", "seconds", "complete", "argv", "git")} for r in results
+    ]
+    meta["complete"] = all(r["meta"].get("complete") for r in results)
+    meta["seconds"] = max((r["meta"].get("seconds") or 0.0) for r in results)
+    return {"meta": meta, "rows": [row for r in results for row in r["rows"]]}
+
+
+def run_on_gpus(argv: list[str], heads: list[str], k: int, out_dir: Path, tag: str) -> dict:
+    """``python -m bench argv --matrix-heads <group>`` once per group of split_heads(heads, k),
+    side by side, process i on GPU i (CUDA_VISIBLE_DEVICES); their results merged."""
+    groups = split_heads(heads, k)
+    parts = [out_dir / f"part{i}" for i in range(len(groups))]
+    for part in parts:  # results of an earlier run there are not this run's
+        for f in part.glob("*.json"):
+            f.unlink()
+    procs = []
+    for i, (group, part) in enumerate(zip(groups, parts, strict=True)):
+        cmd = [sys.executable, "-m", "bench", *argv, "--matrix-heads", ",".join(group), "--out", str(part),
+               "--tag", f"{tag}-part{i}" if tag else f"part{i}", "--no-plots"]  # fmt: skip
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i))
+        procs.append(subprocess.Popen(cmd, env=env))
+    codes = [p.wait() for p in procs]
+    results = []
+    for part in parts:
+        files = sorted(part.glob("*.json"), key=lambda f: f.stat().st_mtime)
+        if files:
+            results.append(json.loads(files[-1].read_text()))
+    if not results:
+        raise RuntimeError(f"no part of the matrix wrote a result (exit codes {codes})")
+    merged = merge(results)
+    merged["meta"]["part_exit_codes"] = codes
+    return merged
+
+
+def main(argv: list[str]) -> int:
+    out = None
+    if "--merge" in argv:
+        i = argv.index("--merge")
+        out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2 :]
+    results = [json.loads(Path(p).read_text()) for p in argv]
+    merged = merge(results)
+    if out is not None:
+        out.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    print(summarize(merged["rows"]))
     return 0
 
 

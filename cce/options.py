@@ -97,8 +97,10 @@ class Tuning:
             three matmul passes instead of four (cce/ops/linear_ce/kernels/fused_grads.py). The
             backward then only scales them; a gradient through the returned lse costs one more
             exact pass.
-        fused_chunk_bytes: bytes of the fused path's chunk of fp32 logits; it runs only where the
-            logits fit one chunk or its fp32 dC accumulator (V x D x 4 bytes) fits this budget.
+        fused_chunk_bytes: bytes of the fused path's chunk of fp32 logits (rows in balanced
+            chunks); it runs only where the logits come in at most 4 chunks (dC then accumulates
+            in c's dtype, one rounding per chunk) or its fp32 dC accumulator (V x D x 4 bytes)
+            fits this budget too.
     """
 
     backward: Backward = "auto"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,6 +253,67 @@ def test_matrix_config_and_summary():
     text = summarize(rows)
     assert "| s | zipf | 2.00 | 3.00 | torch-compile | 4.00 | 2.00 | yes |" in text
     assert "geometric mean of (fastest peer / cce default) over 1 cells: 2.00" in text
+
+
+def test_matrix_split_and_merge():
+    """--matrix-gpus: every head in exactly one group, the groups' work (D V) balanced within the
+    largest head; merging keeps every part's rows and records each part."""
+    from bench.matrix import MATRIX_HEADS, merge, split_heads
+
+    heads = list(MATRIX_HEADS)
+    work = {h: MATRIX_HEADS[h][0] * MATRIX_HEADS[h][1] for h in heads}
+    for k in (1, 2, 3, 4, 8, 12):
+        groups = split_heads(heads, k)
+        assert sorted(h for g in groups for h in g) == sorted(heads) and len(groups) == min(k, len(heads))
+        loads = [sum(work[h] for h in g) for g in groups]
+        assert max(loads) - min(loads) <= max(work.values())
+    parts = [
+        {"meta": {"gpu": "G", "date": f"d{i}", "seconds": 10.0 * (i + 1), "complete": i == 0, "argv": []},
+         "rows": [{"provider": "cce", "shape": f"s{i}"}]}
+        for i in range(2)
+    ]  # fmt: skip
+    m = merge(parts)
+    assert [r["shape"] for r in m["rows"]] == ["s0", "s1"] and len(m["meta"]["parts"]) == 2
+    assert m["meta"]["complete"] is False and m["meta"]["seconds"] == 20.0
+
+
+def test_matrix_on_gpus_runs_one_process_per_group(tmp_path, monkeypatch):
+    """The processes of --matrix-gpus: one per group of heads, each on its own GPU, with the
+    command's other arguments; their results merged into one JSON."""
+    import bench.__main__ as bm
+    import bench.matrix as bmat
+
+    launched = []
+
+    class FakeProc:
+        def __init__(self, cmd, env):
+            launched.append((cmd, env["CUDA_VISIBLE_DEVICES"]))
+            out = Path(cmd[cmd.index("--out") + 1])
+            heads = cmd[cmd.index("--matrix-heads") + 1].split(",")
+            out.mkdir(parents=True)
+            rows = [{"level": "linear", "mode": "fwd+bwd", "status": "ok", "shape": f"{h}@N=2048",
+                     "regime": "zipf", "provider": "cce", "ms": 1.0} for h in heads]  # fmt: skip
+            meta = {"gpu": "G", "date": "2026-01-01T00:00:00+00:00", "seconds": 1.0, "complete": True}
+            (out / "r.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(bmat.subprocess, "Popen", FakeProc)
+    argv = ["--matrix", "--matrix-gpus", "2", "--matrix-n", "2048", "--data", "zipf", "--device", "cpu",
+            "--out", str(tmp_path), "--no-plots", "--matrix-heads", "gpt2,mistral-7b,llama3-70b"]  # fmt: skip
+    assert bm.main(argv) == 0
+    assert sorted(dev for _, dev in launched) == ["0", "1"]
+    for cmd, _ in launched:
+        assert cmd[cmd.index("--matrix-n") + 1] == "2048" and "--matrix-gpus" not in cmd
+        assert cmd.count("--matrix-heads") == 1 and cmd.count("--out") == 1
+    merged = [json.loads(f.read_text()) for f in tmp_path.glob("*.json")]
+    assert len(merged) == 1
+    assert sorted(r["shape"] for r in merged[0]["rows"]) == [
+        "gpt2@N=2048",
+        "llama3-70b@N=2048",
+        "mistral-7b@N=2048",
+    ]
 
 
 def test_resume_runs_only_the_missing_rows(tmp_path, one_thread, monkeypatch):
