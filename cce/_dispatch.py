@@ -159,11 +159,21 @@ def fused_fits(
 FUSED_DIRECT_CHUNKS = 4
 
 
+# Rows of the fused path's chunk buffer: fp32 logits padded to a multiple of this many classes
+# (16-byte aligned rows for cuBLAS; the row kernel's loads and stores come in whole vectors,
+# also at odd V).
+FUSED_PAD_CLASSES = 16
+
+
+def fused_padded_classes(V: int) -> int:
+    """The fused chunk buffer's row length, in fp32 classes."""
+    return -(-V // FUSED_PAD_CLASSES) * FUSED_PAD_CLASSES
+
+
 def fused_chunk_rows(N: int, V: int, chunk_bytes: int) -> int:
-    """Rows per chunk of the fused path: as many fp32 logit rows (padded to 16 classes, 16-byte
-    aligned for cuBLAS) as ``chunk_bytes`` hold, at least one; balanced, so that the chunks have
-    equal rows up to one."""
-    per = max(1, chunk_bytes // (4 * (-(-V // 16) * 16)))
+    """Rows per chunk of the fused path: as many fp32 logit rows (fused_padded_classes) as
+    ``chunk_bytes`` hold, at least one; balanced, so that the chunks have equal rows up to one."""
+    per = max(1, chunk_bytes // (4 * fused_padded_classes(V)))
     k = -(-max(N, 1) // per)
     return -(-max(N, 1) // k)
 
@@ -174,5 +184,5 @@ def fused_chunks(tuning: Tuning, N: int, V: int) -> int:
 
 
 def fused_one_chunk(tuning: Tuning, N: int, V: int) -> bool:
-    """Whether the fused path's fp32 logits (rows padded to 16 classes) fit one chunk."""
+    """Whether the fused path's fp32 logits (padded rows) fit one chunk."""
     return fused_chunks(tuning, N, V) == 1

@@ -425,11 +425,12 @@ def _fused_backward(ctx, g_loss, g_lse, *_aux):
     grads = [None, None, None]
     g_rest = None
     if g_loss is not None and pre is not None:
-        # (No shortcut for g_loss == 1: a branch on a tensor's value would sync, and is a
-        # data-dependent guard under torch.compile.)
+        # (g_loss == 1 is short-cut inside the scale kernel, on the device: a host branch on the
+        # value would sync, and is a data-dependent guard under torch.compile.)
+        g = g_loss.float()
         for j, x in enumerate(pre):
             if need[j]:
-                scale_inplace(x, g_loss.float())
+                scale_inplace(x, g)
                 grads[j] = x
     elif g_loss is not None:
         valid = targets != a.ignore_index

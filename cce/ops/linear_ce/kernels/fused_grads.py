@@ -15,8 +15,9 @@ memory: one chunk of fp32 logits (``chunk_bytes``) and, past FUSED_DIRECT_CHUNKS
 fp32 dC accumulator (up to that many, dC accumulates in c's dtype: one rounding per chunk); the
 dispatcher (cce._dispatch.fused_fits) takes this path only where those are bounded.
 
-Layout of the chunk buffer: fp32 rows of Vp = V rounded up to 8 classes (16-byte aligned rows for
-cuBLAS, also at odd V). dZ is written in place over the logits in the operand dtype: row i's dZ
+Layout of the chunk buffer: fp32 rows of Vp = V rounded up to 16 classes (cce._dispatch,
+FUSED_PAD_CLASSES: 16-byte aligned rows for cuBLAS and whole vectors for the row kernel, also at
+odd V). dZ is written in place over the logits in the operand dtype: row i's dZ
 occupies the first half of row i's bytes (16-bit operands; the same entries for fp32). The row
 kernel reads entry v before it writes entry v, and entry v of the 16-bit row lies within fp32
 entries < v + 1 of the same row, so nothing is overwritten before it is read. The gradient
@@ -36,17 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import FUSED_DIRECT_CHUNKS, fused_chunk_rows, interpreting
+from ...._dispatch import FUSED_DIRECT_CHUNKS, fused_chunk_rows, fused_padded_classes, interpreting
 from ... import jit_math as jm
 from .common import aligned_parts, check_inputs, device_context, mm_f32, slab_products
-
-# Rows of the chunk buffer: fp32 logits padded to a multiple of PAD_CLASSES classes (the row
-# kernel's loads and stores then come in whole vectors, also at odd V).
-PAD_CLASSES = 16
-
-
-def padded_classes(V: int) -> int:
-    return -(-V // PAD_CLASSES) * PAD_CLASSES
 
 
 # The row kernel's maths, for row i of the chunk (z: fp32 logits from cuBLAS):
@@ -215,7 +208,7 @@ def linear_ce_fused(
     dC = None
     if need_dc:
         dC = (torch.zeros if N == 0 else torch.empty)((V, D), dtype=f32 if f32_acc else c.dtype, device=dev)
-    Vp = padded_classes(V)
+    Vp = fused_padded_classes(V)
     # The pad classes [V, Vp) are never written by the logits GEMM: the row kernel masks them
     # by value and writes their dZ as 0, which the products never read.
     buf = torch.empty((min(n, N), Vp), dtype=f32, device=dev)
