@@ -118,12 +118,27 @@ def _layers(D: int) -> int:
     return 6 if D <= 1024 else 4 if D <= 2304 else 2
 
 
-@lru_cache(maxsize=2)
 def trained_model(
     D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int = CORPUS_BYTES
 ) -> tuple[TinyGPT, torch.Tensor]:
     """(model, held-out ids): a TinyGPT of width D over the BPE stream of vocabulary V, trained
-    for ``steps`` AdamW steps (batch 64 x 256 tokens) with cce's loss; steps 0 leaves it at init."""
+    for ``steps`` AdamW steps (batch 64 x 256 tokens) with cce's loss; steps 0 leaves it at init.
+
+    Only trained models are cached, one at a time (training is what costs; an untrained one is
+    rebuilt from its seed): at D = 8192 a model holds ~15 GB of fp32 weights, and AdamW's training
+    needs four times that, so a second cached model left no room for it on an 80 GB GPU."""
+    if steps <= 0:
+        return _build(D, V, 0, seed, device, corpus_bytes)
+    return _trained(D, V, steps, seed, device, corpus_bytes)
+
+
+@lru_cache(maxsize=1)
+def _trained(D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int) -> tuple[TinyGPT, torch.Tensor]:
+    _trained.cache_clear()  # the previous model goes before this one is built
+    return _build(D, V, steps, seed, device, corpus_bytes)
+
+
+def _build(D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int) -> tuple[TinyGPT, torch.Tensor]:
     import cce
 
     ids = tokenized(V, corpus_bytes)
@@ -148,6 +163,9 @@ def trained_model(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+    # The last step's gradients and AdamW's state are not needed to read hidden states.
+    del opt
+    model.zero_grad(set_to_none=True)
     return model.eval(), held
 
 
