@@ -118,11 +118,18 @@ def _layers(D: int) -> int:
     return 6 if D <= 1024 else 4 if D <= 2304 else 2
 
 
+def _batch(D: int) -> int:
+    # Sequences per training step. Past D = 4096 (llama3-70b's 8192: 3.7e9 parameters even at
+    # two blocks) a quarter of them: 300 steps of 64 x 256 tokens took over 200 s there and
+    # AdamW's state with the activations of 16384 tokens filled most of an 80 GB GPU.
+    return 64 if D <= 4096 else 16
+
+
 def trained_model(
     D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int = CORPUS_BYTES
 ) -> tuple[TinyGPT, torch.Tensor]:
     """(model, held-out ids): a TinyGPT of width D over the BPE stream of vocabulary V, trained
-    for ``steps`` AdamW steps (batch 64 x 256 tokens) with cce's loss; steps 0 leaves it at init.
+    for ``steps`` AdamW steps (batch _batch(D) x 256 tokens) with cce's loss; steps 0 leaves it at init.
 
     Only trained models are cached, one at a time (training is what costs; an untrained one is
     rebuilt from its seed): at D = 8192 a model holds ~15 GB of fp32 weights, and AdamW's training
@@ -133,12 +140,16 @@ def trained_model(
 
 
 @lru_cache(maxsize=1)
-def _trained(D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int) -> tuple[TinyGPT, torch.Tensor]:
+def _trained(
+    D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int
+) -> tuple[TinyGPT, torch.Tensor]:
     _trained.cache_clear()  # the previous model goes before this one is built
     return _build(D, V, steps, seed, device, corpus_bytes)
 
 
-def _build(D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int) -> tuple[TinyGPT, torch.Tensor]:
+def _build(
+    D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int
+) -> tuple[TinyGPT, torch.Tensor]:
     import cce
 
     ids = tokenized(V, corpus_bytes)
@@ -154,7 +165,7 @@ def _build(D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int
         lr_scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
             group["lr"] = 1e-3 * min(1.0, 768 / D) * lr_scale
-        starts = torch.randint(0, len(train) - SEQ - 1, (64,), generator=g)
+        starts = torch.randint(0, len(train) - SEQ - 1, (_batch(D),), generator=g)
         chunk = torch.stack([train[s : s + SEQ + 1] for s in starts.tolist()]).to(dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             h = model.hidden(chunk[:, :-1])
