@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .options import SPARSE_MIN_FLOPS_CUDA, Tuning
+from .options import SPARSE_MIN_CLASSES_CUDA, SPARSE_MIN_FLOPS_CUDA, Tuning
 
 # The sparse backward serves filtered training steps from this threshold up (the bf16 / fp16
 # defaults): a kept tile past its dZ scratch costs one recompute per D chunk of the output, cheap
@@ -88,6 +88,7 @@ def linear_backward(
     cuda: bool = True,
     fused_ok: bool = False,
     fused_whole: bool = False,
+    classes: int | None = None,
 ) -> str:
     """The Triton backward of a linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
     cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
@@ -105,7 +106,13 @@ def linear_backward(
     (``sparse_min_flops`` None), a filtered call takes the fused path at any size: where the
     logits fit one chunk the sparse backward's fixed costs stay large against what it skips
     (measured at llama3-70b's head, N = 2048: fused 19.8 / 20.2 ms against sparse 18.3 / 38.9
-    on zipf / random logits, docs/benchmarks.md)."""
+    on zipf / random logits, docs/benchmarks.md). Likewise, with ``classes`` (V) below
+    ``tuning.sparse_min_classes`` (None: SPARSE_MIN_CLASSES_CUDA on CUDA tensors, else 0), a
+    filtered call takes the fused path wherever it fits, at any size: a small vocabulary has few
+    tiles to skip, and off zipf-like data the sparse backward's kept tiles and dense slabs cost
+    more than the fused path's three passes (measured at mistral-7b's head, N = 32768: fused
+    39.2 ms against the sparse backward's 30.1 / 72.6 / 64.7 / 113.6 on zipf / random / init /
+    real data, whose dC error there was 1.07e-2; docs/benchmarks.md, session 9)."""
     exact = "fused" if fused_ok else "exact"
     if filter_eps <= 0:
         return exact
@@ -114,7 +121,13 @@ def linear_backward(
         min_flops = SPARSE_MIN_FLOPS_CUDA if cuda else 0.0
     if tuning.backward == "auto" and flops < min_flops:
         return exact
-    if tuning.backward == "auto" and fused_ok and fused_whole and cuda and tuning.sparse_min_flops is None:
+    calibrated = tuning.backward == "auto" and fused_ok and tuning.sparse_min_flops is None
+    if calibrated and fused_whole and cuda:
+        return "fused"
+    min_classes = tuning.sparse_min_classes
+    if min_classes is None:
+        min_classes = SPARSE_MIN_CLASSES_CUDA if cuda else 0
+    if calibrated and classes is not None and classes < min_classes:
         return "fused"
     applies = (need_de or need_dc) and not need_dbias and not (softcap > 0 and label_smoothing > 0)
     if tuning.backward == "recompute" or not applies:

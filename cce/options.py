@@ -91,6 +91,11 @@ class Tuning:
             path is the faster one and has no filter error. None: SPARSE_MIN_FLOPS_CUDA on CUDA
             tensors (calibrated on an H100, docs/benchmarks.md), 0 elsewhere (the Triton
             interpreter has no speed to gain, and its tests exercise the filtered paths).
+        sparse_min_classes: with ``backward="auto"`` and ``sparse_min_flops`` None, filtered
+            calls over a vocabulary of fewer classes take the fused exact path wherever it
+            runs (``fused`` below), at any size: few tiles to skip, and the fused path was the
+            faster one there off zipf-like data. None: SPARSE_MIN_CLASSES_CUDA on CUDA tensors
+            (docs/benchmarks.md), 0 elsewhere.
         fused: wherever the exact backward would run (filter_eps None or 0, or a problem below
             ``sparse_min_flops``) and the loss's upstream gradient is a scalar (reduction
             ``"mean"`` or ``"sum"``), form the exact gradients in the forward pass instead:
@@ -116,6 +121,7 @@ class Tuning:
     dense_slab_bytes: int = 256 << 20
     first_order: bool = True
     sparse_min_flops: float | None = None
+    sparse_min_classes: int | None = None
     fused: bool = True
     fused_chunk_bytes: int = 1 << 30
 
@@ -139,6 +145,9 @@ class Tuning:
         x = self.sparse_min_flops
         if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0):
             raise ValueError(f"sparse_min_flops must be a number >= 0 or None, got {x!r}")
+        x = self.sparse_min_classes
+        if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
+            raise ValueError(f"sparse_min_classes must be an int >= 0 or None, got {x!r}")
         if isinstance(self.de_block_slots, bool) or not isinstance(self.de_block_slots, int):
             raise ValueError(f"de_block_slots must be an int >= 0, got {self.de_block_slots!r}")
         if self.de_block_slots < 0:
@@ -154,6 +163,15 @@ DEFAULT_TUNING = Tuning()
 # at every size: they are there for the error bound); docs/benchmarks.md, "Dense slabs on by
 # default".
 SPARSE_MIN_FLOPS_CUDA = 3e12
+
+# Tuning.sparse_min_classes on CUDA: 256 vocabulary tiles of the bf16 / fp16 statistics (256
+# classes each). Measured (H100, bf16, one run): at V = 32000 (125 tiles; mistral-7b, N = 32768)
+# the fused exact path was 1.6-2.9x faster than the sparse backward on random, untrained-model
+# and real-text data and 1.3x slower on zipf data only; from V = 128256 (501 tiles) up the
+# sparse backward was the faster one at N = 32768 in every regime (1.13-1.89x on real data).
+# Between the two nothing was measured; the midpoint in tiles is taken. docs/benchmarks.md,
+# session 9.
+SPARSE_MIN_CLASSES_CUDA = 65536
 
 
 @dataclasses.dataclass(frozen=True)

@@ -479,7 +479,7 @@ def linear_ce_triton(
     fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
     algo = linear_backward(
         tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda, fused,
-        fused_one_chunk(tuning, N, V),
+        fused_one_chunk(tuning, N, V), classes=V,
     )  # fmt: skip
     if algo == "fused":
         out = linear_ce_triton_fused(

@@ -212,6 +212,53 @@ def test_fused_dispatch():
     assert fused_one_chunk(T, 2048, 128256) and not fused_one_chunk(T, 8192, 128256)
 
 
+def test_fused_dispatch_small_vocabulary():
+    """A filtered call over fewer classes than Tuning.sparse_min_classes (None: the CUDA
+    calibration on CUDA tensors, 0 elsewhere) takes the fused path where it fits, at any size;
+    only with backward="auto" and the calibrated size rule (sparse_min_flops None)."""
+    from cce.options import SPARSE_MIN_CLASSES_CUDA
+
+    T = Tuning()
+    args = (1 / 256, True, True, False, 0.0, 0.0, 1e20)
+    small, big = SPARSE_MIN_CLASSES_CUDA - 1, SPARSE_MIN_CLASSES_CUDA
+    assert linear_backward(T, *args, True, True, classes=small) == "fused"
+    assert linear_backward(T, *args, True, True, classes=big) == "sparse"
+    assert linear_backward(T, *args, True, True) == "sparse"  # no classes given: no rule
+    assert linear_backward(T, *args, True, False, classes=small) == "sparse"  # fused does not fit
+    assert linear_backward(T, *args, False, True, classes=small) == "sparse"  # not CUDA: 0 classes
+    assert linear_backward(Tuning(sparse_min_classes=0), *args, True, True, classes=small) == "sparse"
+    assert linear_backward(Tuning(sparse_min_classes=big + 1), *args, False, True, classes=big) == "fused"
+    assert linear_backward(Tuning(sparse_min_flops=3e12), *args, True, True, classes=small) == "sparse"
+    assert linear_backward(Tuning(backward="sparse"), *args, True, True, classes=small) == "sparse"
+    # Not filtered, or needing a path the fused one does not replace: unchanged.
+    assert linear_backward(T, 0.0, *args[1:], True, True, classes=small) == "fused"
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="sparse_min_classes"):
+            Tuning(sparse_min_classes=bad)
+
+
+def test_fused_small_vocabulary_end_to_end():
+    """The launcher passes V to the rule: with sparse_min_classes above V a heavily filtered call
+    (filter_eps 0.25, random logits: nearly every tile skipped) gives the fused path's exact
+    gradients, bit for bit those of filter_eps=None; at sparse_min_classes = V the filter acts."""
+    g = torch.Generator().manual_seed(3)
+    N, D, V = 48, 32, 600
+    e = torch.randn(N, D, generator=g) * 1.5**0.5 / D**0.25
+    c = torch.randn(V, D, generator=g) * 1.5**0.5 / D**0.25
+    t = torch.randint(0, V, (N,), generator=g)
+
+    def grads(fn, **kw):
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        fn(ee, cc, t, impl="triton", **kw).backward()
+        return ee.grad, cc.grad
+
+    exact = grads(tuned(), filter_eps=None)
+    below = grads(tuned(sparse_min_classes=V + 1), filter_eps=0.25)
+    at = grads(tuned(sparse_min_classes=V, dense_slabs=False), filter_eps=0.25)
+    assert torch.equal(below[0], exact[0]) and torch.equal(below[1], exact[1])
+    assert rel_err(at[0], exact[0]) > 1e-3
+
+
 def test_fused_half_operands_rows():
     """16-bit operands (fp16: the interpreter's bf16 is wrong): dE is finished in one pass (the
     target entries' rounding remainders added in fp32, one rounding) and scattered to the e2d
