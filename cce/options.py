@@ -169,7 +169,7 @@ SPARSE_MIN_FLOPS_CUDA = 3e12
 # the fused exact path was 1.6-2.9x faster than the sparse backward on random, untrained-model
 # and real-text data and 1.3x slower on zipf data only; from V = 128256 (501 tiles) up the
 # sparse backward was the faster one at N = 32768 in every regime (1.13-1.89x on real data).
-# Between the two nothing was measured; the midpoint in tiles is taken. docs/benchmarks.md,
+# Between the two nothing was measured: 256 is about their geometric midpoint. docs/benchmarks.md,
 # session 9.
 SPARSE_MIN_CLASSES_CUDA = 65536
 
