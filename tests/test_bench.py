@@ -358,3 +358,34 @@ def test_resume_runs_only_the_missing_rows(tmp_path, one_thread, monkeypatch):
         )
     )
     assert third["rows"] == first["rows"] and made == []  # every row there: no inputs made
+
+
+def test_host_counts_and_time(tmp_path):
+    """bench.host: the aten ops and Triton launches of a step (views left out; a launch counted
+    once), the host time of its issue, and the CLI's JSON (CPU: interpreter)."""
+    from bench.host import call_counts, host_ms, main
+
+    e, c, t = data.make_inputs(64, 32, 300, "zipf", dtype=torch.float32, device="cpu", seed=0)
+    x = torch.randn(4, 4)
+    assert call_counts(lambda: (x + 1).view(16).sum().mul(2)) == (3, 0)
+    assert call_counts(lambda: None) == (0, 0)
+
+    import cce
+
+    def step():
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        return torch.autograd.grad(
+            cce.linear_cross_entropy(ee, cc, t, impl="triton", filter_eps=None), (ee, cc)
+        )
+
+    step()
+    calls, launches = call_counts(step)
+    assert calls > 10 and 1 <= launches < 50
+    assert call_counts(lambda: step() and step()) == (2 * calls, 2 * launches)
+    hs = host_ms(step, torch.device("cpu"), reps=2)
+    assert len(hs) == 2 and 0 < hs[0] <= hs[1]
+    out = tmp_path / "host.json"
+    assert main(["--shape", "40x16x200", "--providers", "cce-exact", "--dtype", "float32", "--reps", "1",
+                 "--json", str(out)]) == 0  # fmt: skip
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["provider"] == "cce-exact" and row["host_ms"] > 0 and row["aten_ops"] > 0  # impl="torch" here
