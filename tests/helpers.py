@@ -294,3 +294,19 @@ def skip_rate(e, c, t, eps: float, sort_vocab: bool) -> float:
     perm = vocab_order(e, c, None, RowOrder(t, None, -100)) if sort_vocab else None
     sk = tile_skips(e, c, t, eps, cfg.BLOCK_N, cfg.BLOCK_V, perm)
     return float((sk == 1).sum() / (sk >= 0).sum().clamp(min=1))
+
+
+def spread_logits_problem(seed: int, N: int = 48, D: int = 32, V: int = 600):
+    """(e, c, t), fp32: logits of std ~1.5 over a small vocabulary, so that a large filter_eps
+    (0.25) skips nearly every tile and the filtered gradients differ visibly from the exact ones."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(N, D, generator=g) * 1.5**0.5 / D**0.25
+    c = torch.randn(V, D, generator=g) * 1.5**0.5 / D**0.25
+    return e, c, torch.randint(0, V, (N,), generator=g)
+
+
+def triton_grads(fn, e, c, t, **kw):
+    """(dE, dC) of ``fn(e, c, t, impl="triton", **kw).backward()`` on fresh leaves."""
+    ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+    fn(ee, cc, t, impl="triton", **kw).backward()
+    return ee.grad, cc.grad

@@ -31,7 +31,14 @@ from cce._dispatch import (
     fused_one_chunk,
     linear_backward,
 )
-from tests.helpers import compare_with_reference, make_linear_inputs, rel_err, tuned
+from tests.helpers import (
+    compare_with_reference,
+    make_linear_inputs,
+    rel_err,
+    spread_logits_problem,
+    triton_grads,
+    tuned,
+)
 
 pytest.importorskip("triton")
 
@@ -241,20 +248,11 @@ def test_fused_small_vocabulary_end_to_end():
     """The launcher passes V to the rule: with sparse_min_classes above V a heavily filtered call
     (filter_eps 0.25, random logits: nearly every tile skipped) gives the fused path's exact
     gradients, bit for bit those of filter_eps=None; at sparse_min_classes = V the filter acts."""
-    g = torch.Generator().manual_seed(3)
-    N, D, V = 48, 32, 600
-    e = torch.randn(N, D, generator=g) * 1.5**0.5 / D**0.25
-    c = torch.randn(V, D, generator=g) * 1.5**0.5 / D**0.25
-    t = torch.randint(0, V, (N,), generator=g)
-
-    def grads(fn, **kw):
-        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
-        fn(ee, cc, t, impl="triton", **kw).backward()
-        return ee.grad, cc.grad
-
-    exact = grads(tuned(), filter_eps=None)
-    below = grads(tuned(sparse_min_classes=V + 1), filter_eps=0.25)
-    at = grads(tuned(sparse_min_classes=V, dense_slabs=False), filter_eps=0.25)
+    e, c, t = spread_logits_problem(3)
+    V = c.shape[0]
+    exact = triton_grads(tuned(), e, c, t, filter_eps=None)
+    below = triton_grads(tuned(sparse_min_classes=V + 1), e, c, t, filter_eps=0.25)
+    at = triton_grads(tuned(sparse_min_classes=V, dense_slabs=False), e, c, t, filter_eps=0.25)
     assert torch.equal(below[0], exact[0]) and torch.equal(below[1], exact[1])
     assert rel_err(at[0], exact[0]) > 1e-3
 

@@ -19,7 +19,16 @@ import torch
 
 from bench.data import zipf_inputs
 from cce import linear_cross_entropy
-from tests.helpers import compare_with_reference, make_linear_inputs, rel_err, skip_rate, tile_skips, tuned
+from tests.helpers import (
+    compare_with_reference,
+    make_linear_inputs,
+    rel_err,
+    skip_rate,
+    spread_logits_problem,
+    tile_skips,
+    triton_grads,
+    tuned,
+)
 
 triton = pytest.importorskip("triton")
 
@@ -286,16 +295,11 @@ def test_exact_below_sparse_min_flops():
     of std 1.5: every tile skipped, the rank-1 corrections' error, far above fp32 rounding)
     unless the dense slabs (on by default) take the tiles whose corrections err: then the error
     is within the issue's 5e-3 (the rule aims at slab_error = 2.5e-3 on sampled rows)."""
-    g = torch.Generator().manual_seed(2)
-    N, D, V = 48, 32, 600
-    e = torch.randn(N, D, generator=g) * 1.5**0.5 / D**0.25
-    c = torch.randn(V, D, generator=g) * 1.5**0.5 / D**0.25
-    t = torch.randint(0, V, (N,), generator=g)
+    e, c, t = spread_logits_problem(2)
+    (N, D), V = e.shape, c.shape[0]
 
     def grads(fn, **kw):
-        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
-        fn(ee, cc, t, impl="triton", **kw).backward()
-        return ee.grad, cc.grad
+        return triton_grads(fn, e, c, t, **kw)
 
     exact = grads(tuned(), filter_eps=None)
     big = grads(tuned(sparse_min_flops=2.0 * N * V * D + 1), filter_eps=0.25)
