@@ -105,14 +105,12 @@ def linear_backward(
     (fused_one_chunk, with fused_ok): on CUDA tensors with the calibrated size rule
     (``sparse_min_flops`` None), a filtered call takes the fused path at any size: where the
     logits fit one chunk the sparse backward's fixed costs stay large against what it skips
-    (measured at llama3-70b's head, N = 2048: fused 19.8 / 20.2 ms against sparse 18.3 / 38.9
-    on zipf / random logits, docs/benchmarks.md). Likewise, with ``classes`` (V) below
+    (llama3-70b's head, N = 2048; docs/benchmarks.md). Likewise, with ``classes`` (V) below
     ``tuning.sparse_min_classes`` (None: SPARSE_MIN_CLASSES_CUDA on CUDA tensors, else 0), a
     filtered call takes the fused path wherever it fits, at any size: a small vocabulary has few
     tiles to skip, and off zipf-like data the sparse backward's kept tiles and dense slabs cost
-    more than the fused path's three passes (measured at mistral-7b's head, N = 32768: fused
-    39.2 ms against the sparse backward's 30.1 / 72.6 / 64.7 / 113.6 on zipf / random / init /
-    real data, whose dC error there was 1.07e-2; docs/benchmarks.md, session 9)."""
+    more than the fused path's three passes, and its corrections' dC error on real text was
+    above 1e-2 (mistral-7b's head, N = 32768; docs/benchmarks.md, sessions 9 and 10)."""
     exact = "fused" if fused_ok else "exact"
     if filter_eps <= 0:
         return exact

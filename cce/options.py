@@ -165,12 +165,11 @@ DEFAULT_TUNING = Tuning()
 SPARSE_MIN_FLOPS_CUDA = 3e12
 
 # Tuning.sparse_min_classes on CUDA: 256 vocabulary tiles of the bf16 / fp16 statistics (256
-# classes each). Measured (H100, bf16, one run): at V = 32000 (125 tiles; mistral-7b, N = 32768)
-# the fused exact path was 1.6-2.9x faster than the sparse backward on random, untrained-model
-# and real-text data and 1.3x slower on zipf data only; from V = 128256 (501 tiles) up the
-# sparse backward was the faster one at N = 32768 in every regime (1.13-1.89x on real data).
-# Between the two nothing was measured: 256 is about their geometric midpoint. docs/benchmarks.md,
-# session 9.
+# classes each). At V = 32000 (125 tiles; mistral-7b, N = 32768) the fused exact path was the
+# faster one on random, untrained-model and real-text data (slower on zipf data only); from
+# V = 128256 (501 tiles) up the sparse backward was the faster one at N = 32768 in every regime.
+# Between the two nothing was measured: 256 is about their geometric midpoint. The figures, and
+# the rule's measured effect, are in docs/benchmarks.md (sessions 9 and 10).
 SPARSE_MIN_CLASSES_CUDA = 65536
 
 
