@@ -75,8 +75,9 @@ class Tuning:
         dense_kept: a slab is dense where the tile filter keeps at least this share of its
             (token block, tile) pairs; above 1: never for this reason.
         slab_error: ... and the slabs whose rank-1 corrections err the most, measured on
-            sampled rows, are dense until the corrections' relative error in dE is at most this
-            (cce/ops/linear_ce/slab_choice.py); 1 or more: never for this reason.
+            sampled rows, are dense until the corrections' relative error in dE, and their
+            estimated relative error in dC, are at most this (cce/ops/linear_ce/slab_choice.py);
+            1 or more: never for this reason.
         first_order: whether the error rule of the dense slabs may instead apply the skipped
             tiles' first-order corrections (cce/ops/linear_ce/kernels/first_order.py): one
             D x D Gram matrix of C and one of the rows, about 2 D / N of a logits pass, chosen

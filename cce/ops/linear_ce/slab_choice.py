@@ -8,8 +8,11 @@ holds one error on all of them, so the error is measured: for a few sampled rows
 non-target gradient of every skipped tile is formed and compared with its correction, per slab.
 The slabs whose corrections err the most are made dense until the sampled rows' remaining error
 is at most ``slab_error`` of their exact gradient (relative Frobenius norm, the error the issue
-states its target in). Slabs where the filter keeps many tiles are dense as well: recomputing
-kept tiles one by one costs more than a GEMM there.
+states its target in). The same holds for dC (dc_error_terms): its error is a sum over all rows,
+whose systematic part grows like N against the exact gradient's sqrt N, so it is estimated from
+the sampled rows' pairs (an unbiased U-statistic) against ||dC||^2 whose target part is computed
+exactly. Slabs where the filter keeps many tiles are dense as well: recomputing kept tiles one by
+one costs more than a GEMM there.
 
 Everything stays on the device (the flags are a tensor the dense-slab kernels read), so a step
 is still capturable in a CUDA graph. Cost: two passes over C for a few rows and a [rows, V]
@@ -17,6 +20,8 @@ softmax, about one token block's share of one matmul pass.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +40,30 @@ ERROR_ROWS = 32
 UNIFORM_SHARE = 0.5
 # Rows per chunk when summing each row's decoded tile masses (bounds the fp32 temporary).
 _MASS_ROWS = 8192
+# Classes whose exact dC rows estimate ||dC|| (dc_norm_estimate): the front of the sorted
+# vocabulary, and an even sample of the rest.
+NORM_HEAD = 1024
+NORM_TAIL = 512
+# Bytes of dc_norm_estimate's fp32 logits per row chunk.
+_NORM_CHUNK_BYTES = 64 << 20
+
+
+class SlabErrors(NamedTuple):
+    """What slab_errors measures on the sampled rows (each row times its sampling scale).
+
+    err: fp32 [n_slabs, rows, D], each slab's rank-1 corrections' error in dE per row;
+    ref: fp32 [rows, D], the rows' exact dE; fo: fp32 [n_slabs, rows, D] or None, the part of
+    the first-order terms each slab's skipped tiles give dE. dc_err / dc_err_fo: fp32 [n_slabs]
+    or None, each slab's squared dC error estimated (without / with the first-order terms);
+    dc_ref: fp32 [] or None, ||dC||^2 estimated (dc_error_terms).
+    """
+
+    err: torch.Tensor
+    ref: torch.Tensor
+    fo: torch.Tensor | None = None
+    dc_err: torch.Tensor | None = None
+    dc_err_fo: torch.Tensor | None = None
+    dc_ref: torch.Tensor | None = None
 
 
 def sample_rows(
@@ -92,22 +121,26 @@ def slab_errors(
     width: int,
     rows: int = ERROR_ROWS,
     cm: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(err, ref, fo) for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
-    each times its scale: err[s, i] (fp32 [n_slabs, rows, D]) is what the rank-1 corrections of
-    the skipped tiles of slab s (``width`` sorted positions) get wrong in dE_i,
+    vscore: torch.Tensor | None = None,
+) -> SlabErrors:
+    """SlabErrors for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
+    each times its scale: err[s, i] is what the rank-1 corrections of the skipped tiles of slab s
+    (``width`` sorted positions) get wrong in dE_i,
 
         err[s, i] = sum_{skipped j in s} ( sum_{v in j, v != t_i} dZ_iv c_v - alpha_i S'_ij mean(C_j) ),
 
     with dZ_iv = alpha_i p_iv softcap'(z_iv) and S'_ij the decoded mass the sparse backward uses;
-    ref[i] (fp32 [rows, D]) is the exact sum_v dZ_iv c_v with the target term (alpha p_t -
-    beta) softcap'. Sorted rows past n_valid count with alpha = beta = 0.
+    ref[i] is the exact sum_v dZ_iv c_v with the target term (alpha p_t - beta) softcap'. Sorted
+    rows past n_valid count with alpha = beta = 0.
 
-    With ``cm`` (fp32 [n_tiles, D], the tile means of the sorted vocabulary) also fo[s, i]
-    (fp32 [n_slabs, rows, D]), the part of the first-order term (kernels/first_order.py) that
-    slab s's skipped tiles give dE_i: (alpha_i S'_is / V) G e_i, S'_is the row's decoded mass
-    in the slab and G e_i = sum_v (e_i . (c_v - mean(C_j(v)))) c_v computed exactly for the
-    row (so err - fo is what the corrections with that term get wrong); else None.
+    With ``cm`` (fp32 [n_tiles, D], the tile means of the sorted vocabulary) also fo[s, i], the
+    part of the first-order term (kernels/first_order.py) that slab s's skipped tiles give dE_i:
+    (alpha_i S'_is / V) G e_i, S'_is the row's decoded mass in the slab and G e_i =
+    sum_v (e_i . (c_v - mean(C_j(v)))) c_v computed exactly for the row (so err - fo is what the
+    corrections with that term get wrong).
+
+    With ``vscore`` (the forward's class scores, sorted positions) also dC's estimates
+    (dc_error_terms; dc_err_fo with ``cm``).
     """
     N, nt = code.shape
     V, D = c.shape
@@ -121,14 +154,15 @@ def slab_errors(
     vp = vperm.long()
     es = e2d.index_select(0, erow_s.index_select(0, pos))
     z = mm_f32(es, c.T, None)  # [k, V]
-    gx = None
+    gx = x = None
     if cm is not None:
         # G e_i = sum_v x_iv c_v with x_iv = e_i . (c_v - mean(C_j(v))) (class order; bf16
         # weights where c is bf16: an estimate's accuracy, one cuBLAS pass over C).
         tile_of = inverse_permutation(vp) // BLOCK_V
         x = z - mm_f32(es, cm.T.to(es.dtype), None).index_select(1, tile_of)
         gx = mm_f32(x.to(c.dtype), c, None)  # [k, D]
-        del x
+        if vscore is None:
+            x = None
     if bias is not None:
         z += bias.float()[None, :]
     d = None
@@ -145,7 +179,7 @@ def slab_errors(
     dz.scatter_(1, t, 0.0)
     w = torch.zeros((k, nt * BLOCK_V), dtype=torch.float32, device=dev)
     w[:, :V] = dz.index_select(1, vp)
-    del dz, z, d
+    del z, d
     # The correction alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes.
     S = decode_tile_mass(code.index_select(0, pos)) * a[:, None]  # [k, nt]; 0 where kept
     skipped = ~keep.index_select(0, pos // BLOCK_N)
@@ -154,12 +188,172 @@ def slab_errors(
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
     err = slab_products(w, c, vperm, width)
     ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
-    if gx is None:
-        return err, ref, None
+    del full
     n_slabs = err.shape[0]
-    per_slab = F.pad(S, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)  # [k, n_slabs]
-    fo = (per_slab.T / V)[:, :, None] * gx[None]
-    return err, ref, fo
+    fo = None
+    if gx is not None:
+        per_slab = (
+            F.pad(S, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)
+        )  # [k, n_slabs]
+        fo = (per_slab.T / V)[:, :, None] * gx[None]
+    if vscore is None:
+        return SlabErrors(err, ref, fo)
+    dc_err, dc_err_fo = dc_error_terms(code, n_valid, es, scale, dz, w, S, x, vp, vscore, BLOCK_V, width)
+    del dz, w, x
+    dc_ref = dc_norm_estimate(e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap)
+    return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref)
+
+
+def dc_error_terms(
+    code: torch.Tensor,
+    n_valid: torch.Tensor,
+    es: torch.Tensor,
+    scale: torch.Tensor,
+    dz: torch.Tensor,
+    w: torch.Tensor,
+    S: torch.Tensor,
+    x: torch.Tensor | None,
+    vp: torch.Tensor,
+    vscore: torch.Tensor,
+    BLOCK_V: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dc_err [n_slabs], dc_err_fo [n_slabs] or None): dC's squared error per slab estimated
+    from slab_errors' sampled rows (its es, scale, dz, w, S, x).
+
+    dC = sum_i F_i e_i^T (F_i the row's dZ over the classes), and each skipped (row, class) pair
+    errs by W_iv = dZ_iv - alpha_i S'_ij q_v, q the spread of the correction G_j = sum_i alpha_i
+    S'_ij e_i over the tile (the mean-row softmax; uniform with the first-order terms, which
+    also take alpha_i S_i r_j / |j| x_iv off: kernels/first_order.py, with S_i and r_j from all
+    of the row's and the tile's skipped mass, as if no slab were dense). A slab's dC error is
+    then X = sum_i W_i,s e_i^T, a sum over all N rows whose rows' errors add up coherently (they
+    share the classes that are probable in many contexts): its squared norm grows like N^2
+    where the exact gradient's grows like N. With y_m = X_m / (k pi_m) for the k sampled rows m,
+
+        ||X||^2 ~ k / (k - 1) sum_{m != m'} <y_m, y_m'> = k / (k - 1) sum_{m != m'} s_m^2 s_m'^2
+                  (e_m . e_m') (W_m,s . W_m',s)
+
+    (s = scale) is unbiased for independent draws (the pairs' means are the sum's; the k
+    squared terms, which would add the rows' own noise, are left out) and exact with every row
+    sampled (then all pairs, the squares included, and scale 1).
+    """
+    N, nt = code.shape
+    V = vp.numel()
+    k = es.shape[0]
+    dev = es.device
+    f32 = torch.float32
+    n_slabs = -(-nt * BLOCK_V // width)
+    esc = es.float() * scale[:, None]
+    pair = esc @ esc.T  # [k, k]: s_m s_m' (e_m . e_m')
+    if N > k:
+        pair.fill_diagonal_(0.0).mul_(k / (k - 1))
+    inv_size = (1.0 / tile_sizes(V, BLOCK_V, dev))[:, None]  # [nt, 1]
+
+    def per_slab(W: torch.Tensor) -> torch.Tensor:
+        # W: [k, nt * BLOCK_V] sorted positions, rows times s (a carries the scale); the last
+        # tile's positions past V are no classes.
+        Wp = F.pad(W[:, :V], (0, n_slabs * width - V)).view(k, n_slabs, width).transpose(0, 1)
+        return (torch.bmm(Wp, Wp.transpose(1, 2)) * pair[None]).sum((1, 2))
+
+    # Without the first-order terms: the correction spread by q (triton_backward._dc_inputs).
+    sc = torch.full((nt * BLOCK_V,), float("-inf"), dtype=f32, device=dev)
+    sc[:V] = vscore
+    q = torch.softmax(sc.view(nt, BLOCK_V), dim=1)  # [nt, BLOCK_V]
+    wq = (w.view(k, nt, BLOCK_V) + S[:, :, None] * (inv_size[None] - q[None])).view(k, -1)
+    dc_err = per_slab(wq)
+    del wq
+    if x is None:
+        return dc_err, None
+    M = torch.zeros(nt, dtype=f32, device=dev)
+    valid = (torch.arange(N, device=dev) < n_valid.long())[:, None]
+    for s0 in range(0, N, _MASS_ROWS):
+        s1 = min(s0 + _MASS_ROWS, N)
+        M += (decode_tile_mass(code[s0:s1]) * valid[s0:s1]).sum(0)
+    rate = M / M.sum().clamp(min=1e-30) * inv_size[:, 0]  # r_j / |j|
+    wf = torch.zeros((k, nt * BLOCK_V), dtype=f32, device=dev)
+    wf[:, :V] = x.index_select(1, vp)
+    wf.view(k, nt, BLOCK_V).mul_(rate[None, :, None] * S.sum(1)[:, None, None])
+    return dc_err, per_slab(w - wf)
+
+
+def dc_norm_estimate(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    erow_s: torch.Tensor,
+    t_s: torch.Tensor,
+    lse_s: torch.Tensor,
+    alpha_s: torch.Tensor,
+    beta_s: torch.Tensor,
+    n_valid: torch.Tensor,
+    vp: torch.Tensor,
+    softcap: float,
+    head: int = NORM_HEAD,
+    tail: int = NORM_TAIL,
+    chunk_bytes: int = _NORM_CHUNK_BYTES,
+) -> torch.Tensor:
+    """fp32 []: ||dC||^2 (the label-smoothing term left out) from the exact dC rows of ``head``
+    classes at the front of the sorted vocabulary and of ``tail`` classes of the rest, drawn by
+    systematic sampling in proportion to their target count plus its mean (unbiased: each
+    sampled class's squared row divided by its expected number of draws).
+
+    From sampled rows this norm cannot be had: on a trained model dC_v = sum_i dZ_iv e_i is a
+    small difference of the target rows' pull and the other rows' push on class v (calibration),
+    which no few rows see. Exact rows of a class sample can: the sorted vocabulary puts the
+    classes of large gradient (probable in many rows, or frequent targets) at its front, where
+    they are taken whole, and the tail's classes are alike enough for a sample once the targets'
+    share is accounted for. Cost:
+    (head + tail) / V of two logits passes (all N rows times the sampled classes).
+    """
+    V, D = c.shape
+    N = t_s.numel()
+    dev = c.device
+    f32 = torch.float32
+    h = min(head, V)
+    m = min(tail, V - h)
+    posn = torch.arange(h, device=dev)
+    wt = torch.ones(h + m, dtype=f32, device=dev)
+    valid = torch.arange(N, device=dev) < n_valid.long()
+    if m > 0:
+        # Systematic sampling in proportion to (targets of the class + their mean over classes):
+        # a class's target rows make a large part of its gradient, so a class that is the
+        # target of many rows is taken with a weight near 1 (else it is a rare, heavily weighted
+        # spike), the others evenly.
+        # (index_add_, not bincount, which reads its input's maximum on the host; sums of
+        # ones in float64 are exact in any order)
+        cnt = torch.zeros(V, dtype=torch.float64, device=dev).index_add_(0, t_s.long(), valid.double())
+        cnt = cnt.index_select(0, vp[h:])
+        size = cnt + n_valid.double().clamp(min=1) / V
+        cdf = size.cumsum(0)
+        u = (torch.arange(m, device=dev, dtype=torch.float64) + 0.5) / m * cdf[-1]
+        j = torch.searchsorted(cdf, u, right=True).clamp(max=V - h - 1)
+        posn = torch.cat([posn, h + j])
+        wt[h:] = (cdf[-1] / (m * size.index_select(0, j))).float()
+    cls = vp.index_select(0, posn)
+    Cs = c.index_select(0, cls)
+    bs = None if bias is None else bias.float().index_select(0, cls)
+    dC = torch.zeros((h + m, D), dtype=f32, device=dev)
+    a = torch.where(valid, alpha_s, 0.0)
+    b = torch.where(valid, beta_s, 0.0)
+    rows = max(1, chunk_bytes // (4 * max(h + m, 1)))
+    for s0 in range(0, N, rows):
+        s1 = min(s0 + rows, N)
+        E = e2d.index_select(0, erow_s[s0:s1])
+        z = mm_f32(E, Cs.T, None)  # [rows, h + m]
+        if bs is not None:
+            z += bs[None, :]
+        d = None
+        if softcap > 0:
+            th = torch.tanh(z / softcap)
+            z = softcap * th
+            d = 1.0 - th * th
+        dz = torch.exp(z - lse_s[s0:s1, None]) * a[s0:s1, None]
+        dz -= (t_s[s0:s1, None] == cls[None, :]) * b[s0:s1, None]
+        if d is not None:
+            dz *= d
+        # (dZ rounded to the operand dtype, as the backward's GEMMs do: an estimate's accuracy)
+        dC += mm_f32(dz.T.to(E.dtype), E, None)
+    return (dC.square().sum(1) * wt).sum()
 
 
 def dense_slab_flags(
@@ -170,7 +364,7 @@ def dense_slab_flags(
     tiles_per_slab: int,
     dense_kept: float,
     slab_error: float,
-    errors: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    errors: SlabErrors | None = None,
     first_order_cost: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dense, first_order) on the device, no host synchronisation: dense int8 [n_slabs], 1 for
@@ -178,12 +372,14 @@ def dense_slab_flags(
     backward does densely; first_order int32 [1], 1 where it applies the first-order terms.
 
     A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
-    tile) pairs. With ``errors`` (slab_errors' (err, ref, fo)), the other slabs are taken in
-    order of decreasing ||err[s]|| and made dense until the sum of the remaining slabs' err is
-    at most ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add
-    up). With fo and ``first_order_cost`` (the first-order terms' cost in dense slabs), the same
-    rule on err - fo as well; the first-order terms are applied, with that rule's slabs, where
-    they and its slabs cost less than the first rule's slabs.
+    tile) pairs. With ``errors`` (slab_errors'), the other slabs are taken in order of decreasing
+    ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
+    ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up); with
+    its dC estimates as well, the slabs of largest dc_err are also made dense until the remaining
+    ones' sum is at most slab_error^2 dc_ref (dC's rows of different slabs are disjoint: their
+    squared errors add). With fo and ``first_order_cost`` (the first-order terms' cost in dense
+    slabs), the same rules on err - fo and dc_err_fo as well; the first-order terms are applied,
+    with those rules' slabs, where they and their slabs cost less than the first rules' slabs.
     """
     nt = code.shape[1]
     dev = code.device
@@ -196,13 +392,21 @@ def dense_slab_flags(
     off = torch.zeros(1, dtype=torch.int32, device=dev)
     if errors is None:
         return dense.to(torch.int8), off
-    err, ref, fo = errors
-    sparse = (~dense).float()[:, None, None]  # dense slabs are exact
-    bound = slab_error * ref.norm()
-    chosen = _worst_until(err * sparse, bound)
-    if fo is None or first_order_cost is None:
+    sparse = (~dense).float()
+    bound = slab_error * errors.ref.norm()
+    bound_c = None if errors.dc_ref is None else slab_error**2 * errors.dc_ref.clamp(min=0)
+
+    def chosen_by(err: torch.Tensor, dc_err: torch.Tensor | None) -> torch.Tensor:
+        out = _worst_until(err * sparse[:, None, None], bound)  # dense slabs are exact
+        if dc_err is not None and bound_c is not None:
+            out |= _worst_until_sq(dc_err * sparse, bound_c)
+        return out
+
+    chosen = chosen_by(errors.err, errors.dc_err)
+    if errors.fo is None or first_order_cost is None:
         return (dense | chosen).to(torch.int8), off
-    chosen_fo = _worst_until((err - fo) * sparse, bound)
+    dc_fo = errors.dc_err_fo if errors.dc_err_fo is not None else errors.dc_err
+    chosen_fo = chosen_by(errors.err - errors.fo, dc_fo)
     use = chosen_fo.sum() + first_order_cost < chosen.sum()
     return (dense | torch.where(use, chosen_fo, chosen)).to(torch.int8), use.int().reshape(1)
 
@@ -210,12 +414,27 @@ def dense_slab_flags(
 def _worst_until(err: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
     """bool [n_slabs]: the slabs of largest ||err[s]|| (err [n_slabs, rows, D]), as few as leave
     the norm of the other slabs' summed err at most ``bound``."""
-    n_slabs = err.shape[0]
     order = torch.argsort(err.flatten(1).norm(dim=1), descending=True)
     cum = err.index_select(0, order).cumsum(0)
     # rem[m]: the error left when the first m slabs of `order` are dense (rem[n_slabs] = 0).
     rem = torch.cat([cum[-1].norm().reshape(1), (cum[-1][None] - cum).flatten(1).norm(dim=1)])
-    m = (rem <= bound).int().argmax()  # the first m that meets the target
+    return _first_m(order, rem, bound)
+
+
+def _worst_until_sq(err2: torch.Tensor, bound2: torch.Tensor) -> torch.Tensor:
+    """bool [n_slabs]: the slabs of largest err2[s] (squared errors that add up; estimates below
+    0 count as 0), as few as leave the others' sum at most ``bound2``."""
+    x = err2.clamp(min=0)
+    order = torch.argsort(x, descending=True)
+    cum = x.index_select(0, order).cumsum(0)
+    rem = torch.cat([cum[-1:], (cum[-1] - cum).clamp(min=0)])
+    return _first_m(order, rem, bound2)
+
+
+def _first_m(order: torch.Tensor, rem: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """bool [n_slabs]: the first m slabs of ``order``, m the first index with rem[m] <= bound
+    (rem[n_slabs] = 0, so one exists)."""
+    m = (rem <= bound).int().argmax()
     rank = torch.empty_like(order)
-    rank[order] = torch.arange(n_slabs, device=err.device)
+    rank[order] = torch.arange(order.numel(), device=order.device)
     return rank < m

@@ -147,12 +147,12 @@ def sparse_backward(
     term.
 
     With ``dense_slabs``, dense slabs (slab_choice.dense_slab_flags: slabs of whole tiles of
-    about ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs are
-    kept, and those whose rank-1 corrections, measured on sampled rows, would leave more than
-    ``slab_error`` relative error in dE) leave the plan and are done exactly by GEMM-shaped
-    kernels (kernels/dense_slabs.py); values of 1 or more turn a rule off. The keyword defaults
-    are Tuning's, except ``dense_slabs`` (off here: the sparse backward alone unless asked; the
-    custom op passes Tuning's, on by default).
+    about ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs
+    are kept, and those whose rank-1 corrections, measured on sampled rows, would leave more
+    than ``slab_error`` relative error in dE or, estimated from them, in dC) leave the plan and
+    are done exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values of 1 or more turn a
+    rule off. The keyword defaults are Tuning's, except ``dense_slabs`` (off here: the sparse
+    backward alone unless asked; the custom op passes Tuning's, on by default).
 
     With ``first_order`` as well (and the error rule on), the device may apply the skipped
     tiles' first-order terms instead of (some) dense slabs, where they cost less
@@ -202,9 +202,10 @@ def sparse_backward(
                 # operands, D x D buffers, and gated launches are then left out.)
                 cm = tile_means(c, vperm, BV, f32)
                 cost = fo_cost
+            # (dC's estimates only where dC is wanted.)
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
-                BN, BV, tps * BV, cm=cm,
+                BN, BV, tps * BV, cm=cm, vscore=vscore if need_dc else None,
             )  # fmt: skip
         dense, flag = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost)
         del errors

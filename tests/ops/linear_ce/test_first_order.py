@@ -27,7 +27,7 @@ from cce.ops.linear_ce.kernels.common import stats_blocks  # noqa: E402
 from cce.ops.linear_ce.kernels.first_order import add_dc_first_order, first_order_cost, gram  # noqa: E402
 from cce.ops.linear_ce.kernels.tile_stats import decode_tile_mass, tile_means  # noqa: E402
 from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
-from cce.ops.linear_ce.slab_choice import dense_slab_flags, sample_rows, slab_errors  # noqa: E402
+from cce.ops.linear_ce.slab_choice import SlabErrors, dense_slab_flags, sample_rows, slab_errors  # noqa: E402
 from cce.ops.linear_ce.triton_backward import loss_coefficients, sparse_backward  # noqa: E402
 from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_slab_errors_first_order_against_float64():
     cm = tile_means(c, out[5], BV, torch.float32)
     args = (e, c, None, r.erow_s, srt(r.safe_t), srt(out[1]), srt(alpha.float()), srt(beta.float()), out[2])
     rest = (out[3].bool(), out[5], r.n_valid, 0.0, BN, BV, width, 20)
-    err, ref, fo = slab_errors(*args, *rest, cm=cm)
+    err, ref, fo = slab_errors(*args, *rest, cm=cm)[:3]
     assert slab_errors(*args, *rest)[2] is None
     pos, scale = sample_rows(out[2], srt(alpha.float()), r.n_valid, 20)
     perm = out[5].long()
@@ -313,12 +313,14 @@ def test_flags_with_first_order_follow_the_rule():
         bound = slab_error * float(ref.double().norm())
         c1, c2 = greedy(err.double(), bound), greedy((err - fo).double(), bound)
         for cost in (0.5, 2.5, 10.0):
-            dense, flag = dense_slab_flags(code, keep, n_valid, 16, 1, 2.0, slab_error, (err, ref, fo), cost)
+            dense, flag = dense_slab_flags(
+                code, keep, n_valid, 16, 1, 2.0, slab_error, SlabErrors(err, ref, fo), cost
+            )
             use = len(c2) + cost < len(c1)
             want = c2 if use else c1
             assert flag.tolist() == [int(use)]
             assert dense.tolist() == [int(i in want) for i in range(n_slabs)]
-    dense, flag = dense_slab_flags(code, keep, n_valid, 16, 1, 2.0, 0.05, (err, ref, fo), None)
+    dense, flag = dense_slab_flags(code, keep, n_valid, 16, 1, 2.0, 0.05, SlabErrors(err, ref, fo), None)
     assert flag.tolist() == [0]
 
 
