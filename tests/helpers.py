@@ -310,3 +310,24 @@ def triton_grads(fn, e, c, t, **kw):
     ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
     fn(ee, cc, t, impl="triton", **kw).backward()
     return ee.grad, cc.grad
+
+
+def greedy_dense(err: torch.Tensor, bound: float, squared: bool = False) -> set[int]:
+    """The dense-slab rule in float64, one slab at a time: the slabs of largest error (err
+    [n_slabs, ...] vectors whose sum is the error; with ``squared``, err [n_slabs] squared errors
+    that add up, negative ones counting as 0) made dense until the rest's error is at most
+    ``bound`` (for squared errors, a bound on the sum)."""
+    x = err.double()
+    if squared:
+        x = x.clamp(min=0)
+    size = (lambda i: float(x[i])) if squared else (lambda i: float(x[i].norm()))
+    rest = (
+        (lambda ids: float(sum(x[i] for i in ids)))
+        if squared
+        else (lambda ids: float(sum(x[i] for i in ids).norm()))
+    )
+    left = sorted(range(x.shape[0]), key=lambda i: -size(i))
+    chosen = set()
+    while left and rest(left) > bound:
+        chosen.add(left.pop(0))
+    return chosen

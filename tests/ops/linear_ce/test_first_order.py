@@ -18,7 +18,7 @@ import torch
 from bench.data import zipf_inputs
 from cce import CCEOptions, Tuning, linear_cross_entropy_with_options
 from cce.reference import linear_cross_entropy_reference
-from tests.helpers import rel_err
+from tests.helpers import greedy_dense, rel_err
 
 triton = pytest.importorskip("triton")
 
@@ -302,16 +302,9 @@ def test_flags_with_first_order_follow_the_rule():
     keep = torch.zeros(1, n_slabs, dtype=torch.bool)
     n_valid = torch.tensor([k], dtype=torch.int32)
 
-    def greedy(x, bound):
-        left = sorted(range(n_slabs), key=lambda i: -float(x[i].norm()))
-        chosen = set()
-        while left and float(sum(x[i] for i in left).norm()) > bound:
-            chosen.add(left.pop(0))
-        return chosen
-
     for slab_error in (0.05, 0.2, 0.5):
         bound = slab_error * float(ref.double().norm())
-        c1, c2 = greedy(err.double(), bound), greedy((err - fo).double(), bound)
+        c1, c2 = greedy_dense(err, bound), greedy_dense(err - fo, bound)
         for cost in (0.5, 2.5, 10.0):
             dense, flag = dense_slab_flags(
                 code, keep, n_valid, 16, 1, 2.0, slab_error, SlabErrors(err, ref, fo), cost
