@@ -331,3 +331,26 @@ def greedy_dense(err: torch.Tensor, bound: float, squared: bool = False) -> set[
     while left and rest(left) > bound:
         chosen.add(left.pop(0))
     return chosen
+
+
+def near_uniform_inputs(N: int, D: int, V: int, std: float, seed: int = 3):
+    """Random hidden states and classes with logits of standard deviation ``std`` (an untrained
+    model's near-uniform softmax), every 9th target ignored."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(N, D, generator=g) * std**0.5 / D**0.25
+    c = torch.randn(V, D, generator=g) * std**0.5 / D**0.25
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::9] = -100
+    return e, c, t
+
+
+def triton_training_forward(e, c, t, eps: float, tuning):
+    """The Triton training forward that the sparse backward reads (mean reduction, no bias,
+    softcap or smoothing; ignore_index -100), with ``tuning``'s choices."""
+    from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd
+
+    return linear_ce_triton_fwd(
+        e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, False, tuning.stats_chain_tiles,
+        tuning.dz_slab_bytes, tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
+        tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
+    )  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 from bench.data import zipf_inputs
 from cce import CCEOptions, Tuning, linear_cross_entropy_with_options
 from cce.reference import linear_cross_entropy_reference
-from tests.helpers import greedy_dense, rel_err
+from tests.helpers import greedy_dense, near_uniform_inputs, rel_err, triton_training_forward
 
 triton = pytest.importorskip("triton")
 
@@ -27,27 +27,9 @@ from cce.ops.linear_ce.kernels.tile_stats import tile_means  # noqa: E402
 from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 from cce.ops.linear_ce.slab_choice import SlabErrors, dc_norm_estimate, dense_slab_flags, slab_errors  # noqa: E402
 from cce.ops.linear_ce.triton_backward import loss_coefficients, sparse_backward  # noqa: E402
-from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
 
 EPS = 2.0**-8
 ON = torch.ones(1, dtype=torch.int32)
-
-
-def _fwd(e, c, t, eps, tuning: Tuning):
-    return linear_ce_triton_fwd(
-        e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, False, tuning.stats_chain_tiles,
-        tuning.dz_slab_bytes, tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
-        tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
-    )  # fmt: skip
-
-
-def _near_uniform(N, D, V, std, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    e = torch.randn(N, D, generator=g) * std**0.5 / D**0.25
-    c = torch.randn(V, D, generator=g) * std**0.5 / D**0.25
-    t = torch.randint(0, V, (N,), generator=g)
-    t[::9] = -100
-    return e, c, t
 
 
 def _inputs(kind, N, D, V):
@@ -55,7 +37,7 @@ def _inputs(kind, N, D, V):
         e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=5)
         t[::7] = -100
         return e, c, t
-    return _near_uniform(N, D, V, std=0.2)
+    return near_uniform_inputs(N, D, V, std=0.2)
 
 
 def _estimates(e, c, t, g, out, width, rows, cm=None):
@@ -95,7 +77,7 @@ def test_dc_estimates_are_exact_when_every_row_is_sampled(kind, monkeypatch):
     N, D, V = 64, 32, 3000
     e, c, t = _inputs(kind, N, D, V)
     tu = Tuning(backward="sparse", dense_slabs=True)
-    out = _fwd(e, c, t, EPS, tu)
+    out = triton_training_forward(e, c, t, EPS, tu)
     g = torch.rand(N, generator=torch.Generator().manual_seed(4))
     BN, BV = stats_blocks(torch.float32)
     width = 3 * BV
@@ -126,7 +108,7 @@ def test_dc_norm_estimate(kind):
     ||dC|| at the front; on near-uniform rows the classes are alike), for several row chunks."""
     N, D, V = 64, 32, 3000
     e, c, t = _inputs(kind, N, D, V)
-    out = _fwd(e, c, t, EPS, Tuning(backward="sparse"))
+    out = triton_training_forward(e, c, t, EPS, Tuning(backward="sparse"))
     g = torch.rand(N, generator=torch.Generator().manual_seed(4))
     want = float(_oracle_dc(e, c, t, g).square().sum())
     r = RowOrder(t, None, -100)
@@ -221,7 +203,7 @@ def test_dc_estimates_from_sampled_rows(kind, eps):
     rounding across platforms, not for a biased estimate."""
     N, D, V = 512, 32, 3000
     e, c, t = _inputs(kind, N, D, V)
-    out = _fwd(e, c, t, eps, Tuning(backward="sparse"))
+    out = triton_training_forward(e, c, t, eps, Tuning(backward="sparse"))
     g = torch.full((N,), 1.0 / N)
     BN, BV = stats_blocks(torch.float32)
     width = 4 * BV

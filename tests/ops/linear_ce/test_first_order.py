@@ -18,7 +18,7 @@ import torch
 from bench.data import zipf_inputs
 from cce import CCEOptions, Tuning, linear_cross_entropy_with_options
 from cce.reference import linear_cross_entropy_reference
-from tests.helpers import greedy_dense, rel_err
+from tests.helpers import greedy_dense, near_uniform_inputs, rel_err, triton_training_forward
 
 triton = pytest.importorskip("triton")
 
@@ -29,22 +29,10 @@ from cce.ops.linear_ce.kernels.tile_stats import decode_tile_mass, tile_means  #
 from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 from cce.ops.linear_ce.slab_choice import SlabErrors, dense_slab_flags, sample_rows, slab_errors  # noqa: E402
 from cce.ops.linear_ce.triton_backward import loss_coefficients, sparse_backward  # noqa: E402
-from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
 
 ON = torch.ones(1, dtype=torch.int32)
 OFF = torch.zeros(1, dtype=torch.int32)
 EPS = 2.0**-8  # bf16's default threshold: on near-uniform rows every tile is skipped
-
-
-def _near_uniform(N, D, V, std, seed=3):
-    """Random hidden states and classes with logits of standard deviation ``std`` (an untrained
-    model's near-uniform softmax), every 9th target ignored."""
-    g = torch.Generator().manual_seed(seed)
-    e = torch.randn(N, D, generator=g) * std**0.5 / D**0.25
-    c = torch.randn(V, D, generator=g) * std**0.5 / D**0.25
-    t = torch.randint(0, V, (N,), generator=g)
-    t[::9] = -100
-    return e, c, t
 
 
 @pytest.mark.parametrize(
@@ -93,22 +81,14 @@ def test_dc_first_order_against_float64():
     assert torch.equal(dC, dC0)
 
 
-def _fwd(e, c, t, eps, tuning: Tuning):
-    return linear_ce_triton_fwd(
-        e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, False, tuning.stats_chain_tiles,
-        tuning.dz_slab_bytes, tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
-        tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
-    )  # fmt: skip
-
-
 def test_slab_errors_first_order_against_float64():
     """slab_errors' fo: for each sampled row and slab, (alpha_i S'_is / V) G e_i with
     G = sum_v delta_v delta_v^T about the sorted tiles' means (float64 here; fp32 products
     over 1500 classes: 1e-5)."""
     N, D, V = 60, 24, 1500
-    e, c, t = _near_uniform(N, D, V, std=0.3)
+    e, c, t = near_uniform_inputs(N, D, V, std=0.3)
     tu = Tuning(backward="sparse")
-    out = _fwd(e, c, t, EPS, tu)
+    out = triton_training_forward(e, c, t, EPS, tu)
     r = RowOrder(t, None, -100)
     g = torch.rand(N, generator=torch.Generator().manual_seed(2))
     alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
@@ -207,9 +187,9 @@ def test_sparse_backward_with_first_order_is_the_model(std, monkeypatch):
     and rate_j delta_v H, from the forward's own decoded masses (float64 model; fp32 GEMMs over
     D = 32 and 3000 classes: 2e-5)."""
     N, D, V = 64, 32, 3000
-    e, c, t = _near_uniform(N, D, V, std=std)
+    e, c, t = near_uniform_inputs(N, D, V, std=std)
     tu = Tuning(backward="sparse", dense_slabs=True)
-    out = _fwd(e, c, t, EPS, tu)
+    out = triton_training_forward(e, c, t, EPS, tu)
     assert int(out[3].sum()) == 0  # every tile skipped
     g = torch.rand(N, generator=torch.Generator().manual_seed(4))
     seen = {}
@@ -251,7 +231,9 @@ def test_rule_on_near_uniform_rows_meets_the_target_without_dense_slabs(dtype):
     float64 (the rule's 2.5e-3 target on the sampled rows) with no slab dense, and with
     first_order=False by making the slabs dense (exact: fp32 1e-5; fp16 rounds dZ and the
     gradients, 2^-11 each: 2e-3). fp16 runs the terms' operands scaled into its range."""
-    e, c, t = (x.to(dtype) if x.is_floating_point() else x for x in _near_uniform(64, 32, 3000, std=0.2))
+    e, c, t = (
+        x.to(dtype) if x.is_floating_point() else x for x in near_uniform_inputs(64, 32, 3000, std=0.2)
+    )
     r1 = _grads(e, c, t, Tuning(backward="sparse", dense_slabs=False))
     fo = _grads(e, c, t, Tuning(backward="sparse"))
     dense = _grads(e, c, t, Tuning(backward="sparse", first_order=False))
@@ -268,7 +250,7 @@ def test_rule_off_where_rank1_meets_the_target():
     N, D, V = 64, 32, 3000
     e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=5)
     tu = Tuning(backward="sparse", dense_slabs=True, slab_error=3e-2)
-    out = _fwd(e, c, t, EPS, tu)
+    out = triton_training_forward(e, c, t, EPS, tu)
     r = RowOrder(t, None, -100)
     g = torch.full((N,), 1.0 / N)
     alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
@@ -323,7 +305,7 @@ def test_option_reaches_the_backward(monkeypatch):
 
     with pytest.raises(ValueError, match="first_order"):
         Tuning(first_order=1)
-    e, c, t = _near_uniform(32, 16, 600, std=0.2)
+    e, c, t = near_uniform_inputs(32, 16, 600, std=0.2)
     seen = []
     orig = TI.sparse_backward
 
@@ -342,7 +324,7 @@ def test_terms_left_out_where_they_cannot_pay(monkeypatch):
     >= the slab count), so the rule can never turn them on: their operands are not built and the
     gradients are those of first_order=False, bit for bit."""
     N, D, V = 16, 64, 600
-    e, c, t = _near_uniform(N, D, V, std=0.2)
+    e, c, t = near_uniform_inputs(N, D, V, std=0.2)
     BV = stats_blocks(torch.float32)[1]
     assert first_order_cost(N, V, D, -(-V // BV) * BV) >= 1  # one slab holds the whole vocabulary
     built = []
