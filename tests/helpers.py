@@ -352,5 +352,6 @@ def triton_training_forward(e, c, t, eps: float, tuning):
     return linear_ce_triton_fwd(
         e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, False, tuning.stats_chain_tiles,
         tuning.dz_slab_bytes, tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
-        tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
+        tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc,
+        tuning.dense_slab_bytes, tuning.first_order,
     )  # fmt: skip

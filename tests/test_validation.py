@@ -284,3 +284,12 @@ def test_triton_on_cpu_without_interpreter():
     msg = out.stdout.strip()
     assert msg.startswith(("ValueError", "RuntimeError")), msg
     assert "impl='triton'" in msg and "cpu" in msg.lower(), msg
+
+
+@pytest.mark.parametrize("name", ["dense_kept", "slab_error", "slab_error_dc"])
+@pytest.mark.parametrize("bad", [-1e-3, float("nan"), float("inf"), True, "0.1"])
+def test_tuning_error_targets(name, bad):
+    """The dense-slab rules' numbers: finite and >= 0, or a ValueError naming the field."""
+    with pytest.raises(ValueError, match=name):
+        cce.Tuning(**{name: bad})
+    assert getattr(cce.Tuning(**{name: 0.0}), name) == 0.0

@@ -366,6 +366,8 @@ def dense_slab_flags(
     slab_error: float,
     errors: SlabErrors | None = None,
     first_order_cost: float | None = None,
+    *,
+    slab_error_dc: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dense, first_order) on the device, no host synchronisation: dense int8 [n_slabs], 1 for
     the slabs of ``tiles_per_slab`` vocabulary tiles (in the sorted order) that the sparse
@@ -376,10 +378,11 @@ def dense_slab_flags(
     ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
     ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up); with
     its dC estimates as well, the slabs of largest dc_err are also made dense until the remaining
-    ones' sum is at most slab_error^2 dc_ref (dC's rows of different slabs are disjoint: their
-    squared errors add). With fo and ``first_order_cost`` (the first-order terms' cost in dense
-    slabs), the same rules on err - fo and dc_err_fo as well; the first-order terms are applied,
-    with those rules' slabs, where they and their slabs cost less than the first rules' slabs.
+    ones' sum is at most slab_error_dc^2 dc_ref (dC's rows of different slabs are disjoint: their
+    squared errors add; slab_error_dc None: slab_error). With fo and ``first_order_cost`` (the
+    first-order terms' cost in dense slabs), the same rules on err - fo and dc_err_fo as well;
+    the first-order terms are applied, with those rules' slabs, where they and their slabs cost
+    less than the first rules' slabs.
     """
     nt = code.shape[1]
     dev = code.device
@@ -394,7 +397,8 @@ def dense_slab_flags(
         return dense.to(torch.int8), off
     sparse = (~dense).float()
     bound = slab_error * errors.ref.norm()
-    bound_c = None if errors.dc_ref is None else slab_error**2 * errors.dc_ref.clamp(min=0)
+    tol_c = slab_error if slab_error_dc is None else slab_error_dc
+    bound_c = None if errors.dc_ref is None else tol_c**2 * errors.dc_ref.clamp(min=0)
 
     def chosen_by(err: torch.Tensor, dc_err: torch.Tensor | None) -> torch.Tensor:
         out = _worst_until(err * sparse[:, None, None], bound)  # dense slabs are exact

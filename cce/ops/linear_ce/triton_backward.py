@@ -132,7 +132,8 @@ def sparse_backward(
     de_block_slots: int = _T.de_block_slots, dc_scratch_tiles: int | None = _T.dc_scratch_tiles,
     move_bytes: int = _T.stash_move_bytes, return_plan: bool = False, dense_slabs: bool = False,
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
-    dense_slab_bytes: int = _T.dense_slab_bytes, first_order: bool = _T.first_order,
+    slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
+    first_order: bool = _T.first_order,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
 
@@ -149,7 +150,8 @@ def sparse_backward(
     With ``dense_slabs``, dense slabs (slab_choice.dense_slab_flags: slabs of whole tiles of
     about ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs
     are kept, and those whose rank-1 corrections, measured on sampled rows, would leave more
-    than ``slab_error`` relative error in dE or, estimated from them, in dC) leave the plan and
+    than ``slab_error`` relative error in dE or, estimated from them, ``slab_error_dc`` in dC)
+    leave the plan and
     are done exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values of 1 or more turn a
     rule off. The keyword defaults are Tuning's, except ``dense_slabs`` (off here: the sparse
     backward alone unless asked; the custom op passes Tuning's, on by default).
@@ -193,9 +195,10 @@ def sparse_backward(
     keep = keep.bool()
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
     dense = live = fo = None
-    if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1):
+    dc_rule = need_dc and slab_error_dc < 1
+    if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1 or dc_rule):
         errors = cost = cm = None
-        if slab_error < 1:
+        if slab_error < 1 or dc_rule:
             fo_cost = first_order_cost(N, V, D, tps * BV)
             if first_order and fo_cost < -(-nt // tps):
                 # (At a cost of the slab count or more the rule never turns the terms on: their
@@ -205,9 +208,11 @@ def sparse_backward(
             # (dC's estimates only where dC is wanted.)
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
-                BN, BV, tps * BV, cm=cm, vscore=vscore if need_dc else None,
+                BN, BV, tps * BV, cm=cm, vscore=vscore if dc_rule else None,
             )  # fmt: skip
-        dense, flag = dense_slab_flags(code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost)
+        dense, flag = dense_slab_flags(
+            code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc
+        )
         del errors
         if cm is not None:
             fo = first_order_terms(c, cm, vperm, flag, BV)

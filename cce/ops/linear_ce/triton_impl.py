@@ -55,6 +55,7 @@ class FwdArgs(NamedTuple):
     dense_slabs: bool
     dense_kept: float
     slab_error: float
+    slab_error_dc: float
     dense_slab_bytes: int
     first_order: bool
 
@@ -227,6 +228,7 @@ class SparseBwdArgs(NamedTuple):
     dense_slabs: bool
     dense_kept: float
     slab_error: float
+    slab_error_dc: float
     dense_slab_bytes: int
     first_order: bool
 
@@ -248,8 +250,8 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.code, a.keep, a.zt, a.vperm,
         a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
-        dense_kept=a.dense_kept, slab_error=a.slab_error, dense_slab_bytes=a.dense_slab_bytes,
-        first_order=a.first_order,
+        dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
+        dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -300,7 +302,7 @@ def _backward(ctx, g_loss, g_lse, *_aux):
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
-            a.slab_error, a.dense_slab_bytes, a.first_order,
+            a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
             # dE was written into the forward's stash (a second backward through this graph
@@ -494,7 +496,8 @@ def linear_ce_triton(
         e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
         filter_eps, stats, stats and need_de, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
-        tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
+        tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc, tuning.dense_slab_bytes,
+        tuning.first_order,
     )  # fmt: skip
     return out[0], out[1]
 

@@ -135,7 +135,8 @@ def test_dc_norm_estimate(kind):
 
 def test_flags_with_dc_follow_the_rule():
     """dense_slab_flags with dC's estimates: the slabs of the greedy dE rule and those of largest
-    dc_err until the rest's sum is within slab_error^2 dc_ref (negative estimates count as 0);
+    dc_err until the rest's sum is within slab_error_dc^2 dc_ref (negative estimates count as 0;
+    slab_error_dc defaults to dE's target when called directly, and may differ from it);
     with fo, the same on err - fo and dc_err_fo, chosen by cost (float64 greedy here)."""
     g = torch.Generator().manual_seed(0)
     n_slabs, k, D = 7, 5, 8
@@ -153,23 +154,30 @@ def test_flags_with_dc_follow_the_rule():
     keep = torch.zeros(1, n_slabs, dtype=torch.bool)
     n_valid = torch.tensor([k], dtype=torch.int32)
 
-    adds = []
-    for slab_error in (0.05, 0.1, 0.2):
-        b, b2 = slab_error * float(ref.double().norm()), slab_error**2 * float(dc_ref)
+    adds = {}
+    # (dE's target, dC's: None is dE's, as a direct caller of dense_slab_flags gets)
+    for slab_error, tol_dc in ((0.05, None), (0.1, None), (0.2, None), (0.1, 0.05), (0.05, 0.2)):
+        tol_c = slab_error if tol_dc is None else tol_dc
+        b, b2 = slab_error * float(ref.double().norm()), tol_c**2 * float(dc_ref)
         c1 = greedy_dense(err, b) | greedy_dense(dc, b2, squared=True)
         c2 = greedy_dense(err - fo, b) | greedy_dense(dc_fo, b2, squared=True)
-        adds.append(len(c1 - greedy_dense(err, b)))
+        adds[slab_error, tol_c] = len(c1 - greedy_dense(err, b))
         for cost in (0.5, 2.5, 10.0):
             errors = SlabErrors(err, ref, fo, dc, dc_fo, dc_ref)
-            dense, flag = dense_slab_flags(code, keep, n_valid, 16, 1, 2.0, slab_error, errors, cost)
+            dense, flag = dense_slab_flags(
+                code, keep, n_valid, 16, 1, 2.0, slab_error, errors, cost, slab_error_dc=tol_dc
+            )
             use = len(c2) + cost < len(c1)
             assert flag.tolist() == [int(use)]
             assert dense.tolist() == [int(i in (c2 if use else c1)) for i in range(n_slabs)]
         dense, _ = dense_slab_flags(
-            code, keep, n_valid, 16, 1, 2.0, slab_error, SlabErrors(err, ref, None, dc, None, dc_ref)
-        )
+            code, keep, n_valid, 16, 1, 2.0, slab_error, SlabErrors(err, ref, None, dc, None, dc_ref),
+            slab_error_dc=tol_dc,
+        )  # fmt: skip
         assert dense.tolist() == [int(i in c1) for i in range(n_slabs)]
-    assert max(adds) > 0 and min(adds) < max(adds)  # dC's rule adds slabs, more at tighter targets
+    # dC's rule adds slabs, more at tighter dC targets whatever dE's
+    assert max(adds.values()) > 0
+    assert adds[0.05, 0.05] > adds[0.05, 0.2] and adds[0.1, 0.05] >= adds[0.1, 0.1] > adds[0.05, 0.2]
 
 
 def _dc_error(e, c, t, tuning, eps):
@@ -182,14 +190,16 @@ def _dc_error(e, c, t, tuning, eps):
 
 
 def test_dc_rule_meets_its_target_when_every_row_is_sampled():
-    """32 valid rows, all sampled: with slab_error a third of the sparse backward's dC error, the
-    rules' dense slabs leave a dC error within it (plus fp32 rounding, 1e-5)."""
+    """32 valid rows, all sampled: with slab_error_dc a third of the sparse backward's dC error
+    (and dE's rule off), dC's rule alone leaves a dC error within it (plus fp32 rounding, 1e-5)."""
     N, D, V = 32, 32, 2000
     eps = 2e-2
     e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=11, ignore_every=0)
     off = _dc_error(e, c, t, Tuning(backward="sparse", dense_slabs=False), eps)
     target = off / 3
-    tu = Tuning(backward="sparse", dense_kept=2.0, slab_error=target, dense_slab_bytes=N * 4 * 64)
+    tu = Tuning(
+        backward="sparse", dense_kept=2.0, slab_error=2.0, slab_error_dc=target, dense_slab_bytes=N * 4 * 64
+    )
     assert off > 1e-3
     assert _dc_error(e, c, t, tu, eps) <= target + 1e-5
 

@@ -47,7 +47,8 @@ def _fwd(e, c, bias, t, eps, tuning: Tuning, **kw):
         e, c, bias, None, None, t, -100, opts["reduction"], opts["softcap"], opts["label_smoothing"],
         opts["z_loss"], eps, True, False, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
-        tuning.dense_kept, tuning.slab_error, tuning.dense_slab_bytes, tuning.first_order,
+        tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc, tuning.dense_slab_bytes,
+        tuning.first_order,
     )  # fmt: skip
 
 
