@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .kernels.common import inverse_permutation, mm_f32, tile_sizes
 from .kernels.dense_slabs import slab_products
+from .kernels.dz import class_sample_dz
 from .kernels.tile_stats import decode_tile_mass
 
 # Rows sampled by slab_errors. Their weighted error estimates the whole batch's; rows are drawn
@@ -336,23 +337,14 @@ def dc_norm_estimate(
     a = torch.where(valid, alpha_s, 0.0)
     b = torch.where(valid, beta_s, 0.0)
     rows = max(1, chunk_bytes // (4 * max(h + m, 1)))
+    t_l = t_s.long()
     for s0 in range(0, N, rows):
         s1 = min(s0 + rows, N)
         E = e2d.index_select(0, erow_s[s0:s1])
         z = mm_f32(E, Cs.T, None)  # [rows, h + m]
-        if bs is not None:
-            z += bs[None, :]
-        d = None
-        if softcap > 0:
-            th = torch.tanh(z / softcap)
-            z = softcap * th
-            d = 1.0 - th * th
-        dz = torch.exp(z - lse_s[s0:s1, None]) * a[s0:s1, None]
-        dz -= (t_s[s0:s1, None] == cls[None, :]) * b[s0:s1, None]
-        if d is not None:
-            dz *= d
         # (dZ rounded to the operand dtype, as the backward's GEMMs do: an estimate's accuracy)
-        dC += mm_f32(dz.T.to(E.dtype), E, None)
+        dz = class_sample_dz(z, cls, t_l[s0:s1], lse_s[s0:s1], a[s0:s1], b[s0:s1], bs, softcap, E.dtype)
+        dC += mm_f32(dz.T, E, None)
     return (dC.square().sum(1) * wt).sum()
 
 

@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 
 import cce.ops.linear_ce.triton_backward as TB  # noqa: E402
 from cce.ops.linear_ce.kernels.common import stats_blocks  # noqa: E402
+from cce.ops.linear_ce.kernels.dz import class_sample_dz  # noqa: E402
 from cce.ops.linear_ce.kernels.tile_stats import tile_means  # noqa: E402
 from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 from cce.ops.linear_ce.slab_choice import SlabErrors, dc_norm_estimate, dense_slab_flags, slab_errors  # noqa: E402
@@ -131,6 +132,41 @@ def test_dc_norm_estimate(kind):
     for rows_bytes in (1 << 20, 4 * 1500 * 7):
         est = dc_norm_estimate(*args, vp, 0.0, head=256, tail=128, chunk_bytes=rows_bytes)
         assert abs(float(est) / want - 1) < 0.1
+
+
+@pytest.mark.parametrize("softcap,bias", [(0.0, False), (3.0, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_class_sample_dz_against_float64(softcap, bias, dtype):
+    """class_sample_dz (dc_norm_estimate's dZ on sampled classes): every entry equals
+    (alpha p - beta [v == t]) softcap' in float64, at an odd shape (not a multiple of the
+    blocks), with a class drawn twice (both columns carry the target term), rows without a
+    gradient (alpha = beta = 0), every entry checked (finite). fp32 within 1e-6 of the entry
+    scale; fp16 within its rounding (2^-11 relative, plus 2^-24 absolute below its normal range)."""
+    g = torch.Generator().manual_seed(3)
+    n, V, k = 37, 300, 261
+    z = torch.randn(n, k, generator=g) * 3
+    cls = torch.randint(0, V, (k,), generator=g)
+    cls[7] = cls[200]
+    t = torch.randint(0, V, (n,), generator=g)
+    t[:5] = cls[200]
+    t[5] = cls[3]
+    lse = torch.logsumexp(z, 1) + torch.rand(n, generator=g)
+    alpha = torch.rand(n, generator=g)
+    beta = torch.rand(n, generator=g)
+    alpha[-3:] = beta[-3:] = 0.0
+    b = torch.randn(k, generator=g) if bias else None
+    got = class_sample_dz(z, cls, t, lse, alpha, beta, b, softcap, dtype)
+    L = z.double() + (b.double()[None] if bias else 0.0)
+    d = 1.0
+    if softcap:
+        th = torch.tanh(L / softcap)
+        L, d = softcap * th, 1 - th * th
+    want = (alpha.double()[:, None] * torch.exp(L - lse.double()[:, None])
+            - beta.double()[:, None] * (t[:, None] == cls[None, :])) * d  # fmt: skip
+    tol = 1e-6 if dtype == torch.float32 else 2.0**-11
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert ((got.double() - want).abs() <= tol * want.abs() + 2.0**-24 + 1e-6 * want.abs().max()).all()
+    assert (got[-3:] == 0).all()
 
 
 def test_flags_with_dc_follow_the_rule():
