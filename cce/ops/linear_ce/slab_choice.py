@@ -368,10 +368,11 @@ def dense_slab_flags(
     A slab is dense where the tile filter keeps at least ``dense_kept`` of its (token block,
     tile) pairs. With ``errors`` (slab_errors'), the other slabs are taken in order of decreasing
     ||err[s]|| and made dense until the sum of the remaining slabs' err is at most
-    ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up); with
-    its dC estimates as well, the slabs of largest dc_err are also made dense until the remaining
-    ones' sum is at most slab_error_dc^2 dc_ref (dC's rows of different slabs are disjoint: their
-    squared errors add; slab_error_dc None: slab_error). With fo and ``first_order_cost`` (the
+    ``slab_error`` ||ref|| (the vector sum: errors of different slabs may cancel or add up; 1 or
+    more: this rule off); with its dC estimates as well, the slabs of largest dc_err are also
+    made dense until the remaining ones' sum is at most slab_error_dc^2 dc_ref (dC's rows of
+    different slabs are disjoint: their squared errors add; slab_error_dc None: slab_error; 1 or
+    more: this rule off). With fo and ``first_order_cost`` (the
     first-order terms' cost in dense slabs), the same rules on err - fo and dc_err_fo as well;
     the first-order terms are applied, with those rules' slabs, where they and their slabs cost
     less than the first rules' slabs.
@@ -393,8 +394,11 @@ def dense_slab_flags(
     bound_c = None if errors.dc_ref is None else tol_c**2 * errors.dc_ref.clamp(min=0)
 
     def chosen_by(err: torch.Tensor, dc_err: torch.Tensor | None) -> torch.Tensor:
-        out = _worst_until(err * sparse[:, None, None], bound)  # dense slabs are exact
-        if dc_err is not None and bound_c is not None:
+        if slab_error < 1:
+            out = _worst_until(err * sparse[:, None, None], bound)  # dense slabs are exact
+        else:  # (dE's rule off: the errors are here for dC's)
+            out = torch.zeros(dense.shape, dtype=torch.bool, device=dev)
+        if dc_err is not None and bound_c is not None and tol_c < 1:
             out |= _worst_until_sq(dc_err * sparse, bound_c)
         return out
 

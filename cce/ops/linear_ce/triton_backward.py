@@ -151,10 +151,9 @@ def sparse_backward(
     about ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs
     are kept, and those whose rank-1 corrections, measured on sampled rows, would leave more
     than ``slab_error`` relative error in dE or, estimated from them, ``slab_error_dc`` in dC)
-    leave the plan and
-    are done exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values of 1 or more turn a
-    rule off. The keyword defaults are Tuning's, except ``dense_slabs`` (off here: the sparse
-    backward alone unless asked; the custom op passes Tuning's, on by default).
+    leave the plan and are done exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values
+    of 1 or more turn a rule off. The keyword defaults are Tuning's, except ``dense_slabs`` (off
+    here: the sparse backward alone unless asked; the custom op passes Tuning's, on by default).
 
     With ``first_order`` as well (and the error rule on), the device may apply the skipped
     tiles' first-order terms instead of (some) dense slabs, where they cost less

@@ -216,6 +216,27 @@ def test_flags_with_dc_follow_the_rule():
     assert adds[0.05, 0.05] > adds[0.05, 0.2] and adds[0.1, 0.05] >= adds[0.1, 0.1] > adds[0.05, 0.2]
 
 
+def test_flags_targets_of_one_or_more_turn_a_rule_off():
+    """slab_error or slab_error_dc of 1 or more turn that rule off (Tuning's documented meaning),
+    even where the estimated errors exceed the gradient itself, and leave the other rule as it is."""
+    n_slabs, k, D = 5, 3, 4
+    err = torch.ones(n_slabs, k, D) * torch.tensor([4.0, 0.0, 3.0, 0.0, 0.0])[:, None, None]
+    ref = torch.ones(k, D)  # ||ref|| = sqrt(12), far below the summed err
+    dc = torch.tensor([0.0, 9.0, 0.0, 0.0, 8.0])
+    errors = SlabErrors(err, ref, None, dc, None, torch.tensor(1.0))
+    code = torch.full((k, n_slabs), 255, dtype=torch.uint8)
+    keep = torch.zeros(1, n_slabs, dtype=torch.bool)
+    n_valid = torch.tensor([k], dtype=torch.int32)
+
+    def flags(se, se_dc):
+        return dense_slab_flags(code, keep, n_valid, 16, 1, 2.0, se, errors, slab_error_dc=se_dc)[0].tolist()
+
+    assert flags(0.1, 0.1) == [1, 1, 1, 0, 1]
+    assert flags(2.0, 0.1) == [0, 1, 0, 0, 1]  # dE's rule off
+    assert flags(0.1, 2.0) == [1, 0, 1, 0, 0]  # dC's rule off
+    assert flags(1.0, 1.0) == [0] * n_slabs
+
+
 def _dc_error(e, c, t, tuning, eps):
     cc = c.clone().requires_grad_()
     o = CCEOptions(impl="triton", filter_eps=eps, tuning=tuning)
