@@ -176,9 +176,12 @@ def slab_errors(
         dz.mul_(d)
     d_t = d.gather(1, t) if d is not None else 1.0
     full_t = dz.gather(1, t) - b[:, None] * d_t
-    full = dz.scatter(1, t, full_t).index_select(1, vp)  # sorted positions
+    # Rows [0, k) of w2: the non-target dZ (the corrections' error weights below); rows
+    # [k, 2k): the full dZ (the reference). One slab_products call reads C once for both.
+    w2 = torch.zeros((2 * k, nt * BLOCK_V), dtype=torch.float32, device=dev)
+    w2[k:, :V] = dz.scatter(1, t, full_t).index_select(1, vp)  # sorted positions
     dz.scatter_(1, t, 0.0)
-    w = torch.zeros((k, nt * BLOCK_V), dtype=torch.float32, device=dev)
+    w = w2[:k]
     w[:, :V] = dz.index_select(1, vp)
     del z, d
     # The correction alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes.
@@ -187,9 +190,9 @@ def slab_errors(
     size = tile_sizes(V, BLOCK_V, dev)  # classes per tile
     w3 = w.view(k, nt, BLOCK_V)
     w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
-    err = slab_products(w, c, vperm, width)
-    ref = slab_products(full, c, vperm, width).sum(0)  # (one program per slab and D chunk)
-    del full
+    prod = slab_products(w2, c, vperm, width)  # [n_slabs, 2k, D]
+    err, ref = prod[:, :k], prod[:, k:].sum(0)
+    del w2, prod
     n_slabs = err.shape[0]
     fo = None
     if gx is not None:
@@ -252,9 +255,13 @@ def dc_error_terms(
 
     def per_slab(W: torch.Tensor) -> torch.Tensor:
         # W: [k, nt * BLOCK_V] sorted positions, rows times s (a carries the scale); the last
-        # tile's positions past V are no classes.
-        Wp = F.pad(W[:, :V], (0, n_slabs * width - V)).view(k, n_slabs, width).transpose(0, 1)
-        return (torch.bmm(Wp, Wp.transpose(1, 2)) * pair[None]).sum((1, 2))
+        # tile's positions past V are no classes. sum_{m, m'} pair_mm' (W_m,s . W_m',s) =
+        # sum_{v in s} sum_m W_mv (pair W)_mv: one [k, k] x [k, V] product and a column sum per
+        # slab (a batched [k, width] x [width, k] product per slab has k^2 outputs per slab and a
+        # reduction over up to 64k positions, which cuBLAS ran on a few SMs: 2 ms at V = 256000).
+        Wv = W[:, :V]
+        col = (Wv * (pair @ Wv)).sum(0)  # [V]
+        return F.pad(col, (0, n_slabs * width - V)).view(n_slabs, width).sum(1)
 
     # Without the first-order terms: the correction spread by q (triton_backward._dc_inputs).
     sc = torch.full((nt * BLOCK_V,), float("-inf"), dtype=f32, device=dev)
@@ -393,48 +400,54 @@ def dense_slab_flags(
     tol_c = slab_error if slab_error_dc is None else slab_error_dc
     bound_c = None if errors.dc_ref is None else tol_c**2 * errors.dc_ref.clamp(min=0)
 
-    def chosen_by(err: torch.Tensor, dc_err: torch.Tensor | None) -> torch.Tensor:
-        if slab_error < 1:
-            out = _worst_until(err * sparse[:, None, None], bound)  # dense slabs are exact
-        else:  # (dE's rule off: the errors are here for dC's)
-            out = torch.zeros(dense.shape, dtype=torch.bool, device=dev)
-        if dc_err is not None and bound_c is not None and tol_c < 1:
-            out |= _worst_until_sq(dc_err * sparse, bound_c)
-        return out
-
-    chosen = chosen_by(errors.err, errors.dc_err)
-    if errors.fo is None or first_order_cost is None:
-        return (dense | chosen).to(torch.int8), off
-    dc_fo = errors.dc_err_fo if errors.dc_err_fo is not None else errors.dc_err
-    chosen_fo = chosen_by(errors.err - errors.fo, dc_fo)
+    # Both variants (without and with the first-order terms) go through one batched rule: the
+    # rule's few dozen small ops once instead of twice (host time of a step at small N).
+    with_fo = errors.fo is not None and first_order_cost is not None
+    out = torch.zeros((2 if with_fo else 1, dense.numel()), dtype=torch.bool, device=dev)
+    if slab_error < 1:
+        err = errors.err * sparse[:, None, None]  # dense slabs are exact
+        err = torch.stack([err, err - errors.fo * sparse[:, None, None]]) if with_fo else err[None]
+        out |= _worst_until(err, bound)
+    if errors.dc_err is not None and bound_c is not None and tol_c < 1:
+        dc = errors.dc_err
+        if with_fo:
+            dc = torch.stack([dc, errors.dc_err_fo if errors.dc_err_fo is not None else dc])
+        out |= _worst_until_sq(dc.reshape(out.shape) * sparse, bound_c)
+    if not with_fo:
+        return (dense | out[0]).to(torch.int8), off
+    chosen, chosen_fo = out[0], out[1]
     use = chosen_fo.sum() + first_order_cost < chosen.sum()
     return (dense | torch.where(use, chosen_fo, chosen)).to(torch.int8), use.int().reshape(1)
 
 
 def _worst_until(err: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """bool [n_slabs]: the slabs of largest ||err[s]|| (err [n_slabs, rows, D]), as few as leave
-    the norm of the other slabs' summed err at most ``bound``."""
-    order = torch.argsort(err.flatten(1).norm(dim=1), descending=True)
-    cum = err.index_select(0, order).cumsum(0)
-    # rem[m]: the error left when the first m slabs of `order` are dense (rem[n_slabs] = 0).
-    rem = torch.cat([cum[-1].norm().reshape(1), (cum[-1][None] - cum).flatten(1).norm(dim=1)])
+    """bool [B, n_slabs]: per batch entry b, the slabs of largest ||err[b, s]|| (err [B, n_slabs,
+    rows, D]), as few as leave the norm of the other slabs' summed err at most ``bound``."""
+    B, n = err.shape[:2]
+    flat = err.reshape(B, n, -1)
+    order = torch.argsort(flat.norm(dim=2), dim=1, descending=True)
+    cum = flat.gather(1, order[:, :, None].expand(-1, -1, flat.shape[2])).cumsum(1)
+    # rem[b, m]: the error left when the first m slabs of order[b] are dense (rem[b, n] = 0).
+    total = cum[:, -1:]
+    rem = torch.cat([total.norm(dim=2), (total - cum).norm(dim=2)], dim=1)
     return _first_m(order, rem, bound)
 
 
 def _worst_until_sq(err2: torch.Tensor, bound2: torch.Tensor) -> torch.Tensor:
-    """bool [n_slabs]: the slabs of largest err2[s] (squared errors that add up; estimates below
-    0 count as 0), as few as leave the others' sum at most ``bound2``."""
+    """bool [B, n_slabs]: per batch entry, the slabs of largest err2[b, s] (squared errors that add
+    up; estimates below 0 count as 0), as few as leave the others' sum at most ``bound2``."""
     x = err2.clamp(min=0)
-    order = torch.argsort(x, descending=True)
-    cum = x.index_select(0, order).cumsum(0)
-    rem = torch.cat([cum[-1:], (cum[-1] - cum).clamp(min=0)])
+    order = torch.argsort(x, dim=1, descending=True)
+    cum = x.gather(1, order).cumsum(1)
+    rem = torch.cat([cum[:, -1:], (cum[:, -1:] - cum).clamp(min=0)], dim=1)
     return _first_m(order, rem, bound2)
 
 
 def _first_m(order: torch.Tensor, rem: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """bool [n_slabs]: the first m slabs of ``order``, m the first index with rem[m] <= bound
-    (rem[n_slabs] = 0, so one exists)."""
-    m = (rem <= bound).int().argmax()
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
+    """bool [B, n_slabs]: per batch entry, the first m slabs of ``order[b]``, m the first index with
+    rem[b, m] <= bound (rem[b, n_slabs] = 0, so one exists)."""
+    m = (rem <= bound).int().argmax(dim=1, keepdim=True)
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(order.shape[1], device=order.device).expand_as(order)
+    )
     return rank < m

@@ -294,3 +294,26 @@ def test_sample_rows():
     assert torch.allclose(
         scale[~heavy], torch.full((int((~heavy).sum()),), (k * UNIFORM_SHARE / 150) ** -0.5)
     )
+
+
+@pytest.mark.parametrize("V, width", [(12000, 8192), (4100, 4096), (300, 64)])
+def test_slab_products_against_float64(V, width):
+    """slab_products: per slab of ``width`` sorted positions, the rows' weighted sum of the slab's
+    classes, also where a slab is split into parts over more programs (V = 12000: slabs of 8192
+    positions in parts of 2048, the last slab's fourth part past V) and where the last slab is
+    short."""
+    from cce.ops.linear_ce.kernels.dense_slabs import slab_products
+
+    g = torch.Generator().manual_seed(V)
+    R, D = 5, 48
+    c = torch.randn(V, D, generator=g)
+    w = torch.randn(R, V + 11, generator=g)  # positions past V are no classes
+    perm = torch.randperm(V, generator=g)
+    got = slab_products(w, c, perm, width)
+    n_slabs = -(-V // width)
+    assert got.shape == (n_slabs, R, D)
+    cs = c.double()[perm]
+    want = torch.stack([w.double()[:, s * width : min((s + 1) * width, V)] @ cs[s * width : (s + 1) * width]
+                        for s in range(n_slabs)])  # fmt: skip
+    # fp32 products and sums over up to 8192 terms of size ~1 (randn): relative error ~1e-6.
+    assert rel_err(got, want) < 1e-5

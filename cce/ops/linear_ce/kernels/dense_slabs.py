@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import interpreting
+from ...._dispatch import interpreting, num_sms
 from ... import jit_math as jm
 from .common import (
     add_dc_targets,
@@ -415,23 +415,46 @@ def _slab_products_kernel(
     tl.store(out, acc, mask=rmask[:, None] & dmask[None, :])
 
 
+# slab_products' programs per SM at least: a slab is split into parts of as few positions as
+# that takes (not below SLAB_PRODUCTS_MIN_PART), their sums added after the kernel. At few
+# tokens a slab holds up to 64k positions and there are few slabs: one program per slab and D
+# chunk left most SMs idle, each streaming its slab's rows of C alone.
+SLAB_PRODUCTS_PROGRAMS_PER_SM = 4
+SLAB_PRODUCTS_MIN_PART = 2048
+
+
 def slab_products(w: torch.Tensor, c: torch.Tensor, perm: torch.Tensor, width: int) -> torch.Tensor:
     """fp32 [n_slabs, R, D]: for each slab of ``width`` sorted positions, ``w`` (fp32 [R, >= V],
     sorted positions) restricted to the slab times the slab's classes ``c[perm[...]]``."""
     R = w.shape[0]
     V, D = c.shape
     n_slabs = triton.cdiv(V, width)
-    out = torch.empty((n_slabs, R, D), dtype=torch.float32, device=c.device)
     if R == 0 or V == 0 or D == 0:
-        return out.zero_()
+        return torch.zeros((n_slabs, R, D), dtype=torch.float32, device=c.device)
     small = interpreting()
     BR = max(16, triton.next_power_of_2(R))
     BK, BDO = (16, 32) if small else (64, 128)
+    d_chunks = triton.cdiv(D, BDO)
+    # Parts of a slab: halved while the programs are too few (a part stays a multiple of BK).
+    part, parts = width, 1
+    target = SLAB_PRODUCTS_PROGRAMS_PER_SM * num_sms(c.device)
+    while (
+        triton.cdiv(V, part) * d_chunks < target
+        and part % (2 * BK) == 0
+        and part // 2 >= SLAB_PRODUCTS_MIN_PART
+    ):
+        part, parts = part // 2, parts * 2
+    n_parts = triton.cdiv(V, part)
+    out = torch.empty((n_slabs * parts, R, D), dtype=torch.float32, device=c.device)
+    if n_parts < n_slabs * parts:  # the last slab's parts past V: no positions
+        out[n_parts:].zero_()
     # fp32 weights: tf32 products on a GPU, an estimate's accuracy (the weights are formed in fp32).
     prec = "ieee" if small or not c.is_cuda else "tf32"
     with device_context(c.device):
-        _slab_products_kernel[(n_slabs, triton.cdiv(D, BDO))](
+        _slab_products_kernel[(n_parts, d_chunks)](
             W=w, C=c, Perm=perm, Out=out, R=R, V=V, D=D, stride_w=w.stride(0), stride_c=c.stride(0),
-            width=width, BLOCK_R=BR, BLOCK_K=BK, BLOCK_DO=BDO, PRECISION=prec, num_warps=4,
+            width=part, BLOCK_R=BR, BLOCK_K=BK, BLOCK_DO=BDO, PRECISION=prec, num_warps=4,
         )  # fmt: skip
-    return out
+    if parts == 1:
+        return out
+    return out.view(n_slabs, parts, R, D).sum(1)
