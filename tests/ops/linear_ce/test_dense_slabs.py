@@ -296,16 +296,16 @@ def test_sample_rows():
     )
 
 
-@pytest.mark.parametrize("V, width", [(12000, 8192), (4100, 4096), (300, 64)])
-def test_slab_products_against_float64(V, width):
+@pytest.mark.parametrize("V, width, R", [(12000, 8192, 5), (4100, 4096, 40), (300, 64, 33)])
+def test_slab_products_against_float64(V, width, R):
     """slab_products: per slab of ``width`` sorted positions, the rows' weighted sum of the slab's
     classes, also where a slab is split into parts over more programs (V = 12000: slabs of 8192
-    positions in parts of 2048, the last slab's fourth part past V) and where the last slab is
-    short."""
+    positions in parts of 2048, the last slab's fourth part past V), where the last slab is
+    short, and with rows in two blocks (R > SLAB_PRODUCTS_ROWS)."""
     from cce.ops.linear_ce.kernels.dense_slabs import slab_products
 
     g = torch.Generator().manual_seed(V)
-    R, D = 5, 48
+    D = 48
     c = torch.randn(V, D, generator=g)
     w = torch.randn(R, V + 11, generator=g)  # positions past V are no classes
     perm = torch.randperm(V, generator=g)
