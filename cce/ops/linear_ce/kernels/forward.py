@@ -245,8 +245,11 @@ FWD_PROGRAMS_PER_SM = 8
 FWD_PROGRAMS_PER_SM_TMA = 16
 
 # Sorted walks with TMA copy the vocabulary rows of each slab of tiles, in walking order, into
-# a buffer of about this size (Hopper has no gathering tensor copy): a transient of the forward.
-FWD_SLAB_BYTES = 64 << 20
+# a buffer of about this size (Hopper has no gathering tensor copy): a transient of the training
+# forward, whose peak the backward's (dC itself, and the dense slabs' dense_slab_bytes) exceeds.
+# Each slab costs a copy, a descriptor and a launch on the host (~0.1 ms per slab on an H100
+# host: 16 slabs of 64 MB at V = 248320, D = 2048) and a tail wave on the device.
+FWD_SLAB_BYTES = 256 << 20
 # ... and the sorted walk goes by descriptors from this many rows on: below, its per-slab row
 # copies, descriptors and launches cost more host time than the descriptors save.
 FWD_TMA_SORTED_MIN_N = 4096
