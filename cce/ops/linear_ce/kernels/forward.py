@@ -245,10 +245,12 @@ FWD_PROGRAMS_PER_SM = 8
 FWD_PROGRAMS_PER_SM_TMA = 16
 
 # Sorted walks with TMA copy the vocabulary rows of each slab of tiles, in walking order, into
-# a buffer of about this size (Hopper has no gathering tensor copy): a transient of the training
-# forward, whose peak the backward's (dC itself, and the dense slabs' dense_slab_bytes) exceeds.
-# Each slab costs a copy, a descriptor and a launch on the host (~0.1 ms per slab on an H100
-# host: 16 slabs of 64 MB at V = 248320, D = 2048) and a tail wave on the device.
+# a buffer of about this size (Hopper has no gathering tensor copy), and at most half of C: a
+# transient of the training forward that stays below the backward's peak, which holds dC (C's
+# size) and dE besides (a buffer of all of C made the forward the step's peak, growing with N
+# by the forward's statistics). Each slab costs a copy, a descriptor and a launch on the host
+# (~0.1 ms per slab on an H100 host: 16 slabs of 64 MB at V = 248320, D = 2048) and a tail wave
+# on the device.
 FWD_SLAB_BYTES = 256 << 20
 # ... and the sorted walk goes by descriptors from this many rows on: below, its per-slab row
 # copies, descriptors and launches cost more host time than the descriptors save.
@@ -283,8 +285,8 @@ def linear_ce_forward(
 
     ``tma`` (default: ``use_tma``, for a sorted walk from FWD_TMA_SORTED_MIN_N rows on) reads tiles
     by tensor descriptors: the rows ``e2d[erow]`` are gathered once into an [N, D] buffer, and a
-    sorted vocabulary is walked in slabs of about ``slab_bytes`` (default FWD_SLAB_BYTES) whose
-    rows are gathered into a buffer first.
+    sorted vocabulary is walked in slabs of about ``slab_bytes`` (default FWD_SLAB_BYTES, at most
+    half of c) whose rows are gathered into a buffer first.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
@@ -308,7 +310,8 @@ def linear_ce_forward(
 
     # Slabs of tiles [lo, hi), each one descriptor range of gathered rows (TMA, sorted or unaligned c).
     if tma and (stats or not tma_rows_ok(c)):
-        slab_tiles = max(1, (slab_bytes or FWD_SLAB_BYTES) // (BV * D * c.element_size()))
+        budget = slab_bytes or min(FWD_SLAB_BYTES, V * D * c.element_size() // 2)
+        slab_tiles = max(1, budget // (BV * D * c.element_size()))
         slabs = [(lo, min(lo + slab_tiles, n_vtiles)) for lo in range(0, n_vtiles, slab_tiles)]
     else:
         slabs = [(0, n_vtiles)]
