@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 
 from cce.ops.linear_ce.kernels.backward_exact import linear_ce_backward_exact  # noqa: E402
 from cce.ops.linear_ce.kernels.common import use_tma  # noqa: E402
-from cce.ops.linear_ce.kernels.forward import linear_ce_forward  # noqa: E402
+from cce.ops.linear_ce.kernels.forward import FWD_SLAB_BYTES, fwd_slab_tiles, linear_ce_forward  # noqa: E402
 from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,3 +160,14 @@ def test_tma_exact_slabs_match_plain_kernel(case, dtype):
         x, y = x.float(), y.float()
         assert torch.isfinite(x).all()
         assert (x - y).norm() <= tol * y.norm(), ((x - y).norm() / y.norm()).item()
+
+
+def test_fwd_slab_tiles():
+    """The sorted walk's slabs: FWD_SLAB_BYTES of gathered rows, at most half of C (so that the
+    training forward's buffer stays below the backward's peak, which holds dC), at least one
+    tile; an explicit slab_bytes as given."""
+    tile = 256 * 2048 * 2  # bytes of one tile's rows at D = 2048, bf16
+    assert fwd_slab_tiles(248320, 2048, 2, 256) == FWD_SLAB_BYTES // tile  # C ~1 GB: the default
+    assert fwd_slab_tiles(65536, 2048, 2, 256) == 65536 // 256 // 2  # C 256 MB: half of it
+    assert fwd_slab_tiles(65536, 2048, 2, 256, slab_bytes=3 * tile) == 3
+    assert fwd_slab_tiles(100, 40, 4, 32) == 1 and fwd_slab_tiles(100, 40, 4, 32, slab_bytes=1) == 1

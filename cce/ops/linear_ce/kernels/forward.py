@@ -257,6 +257,13 @@ FWD_SLAB_BYTES = 256 << 20
 FWD_TMA_SORTED_MIN_N = 4096
 
 
+def fwd_slab_tiles(V: int, D: int, elt: int, BLOCK_V: int, slab_bytes: int | None = None) -> int:
+    """Vocabulary tiles per slab of the sorted TMA walk: ``slab_bytes`` of gathered rows, by
+    default FWD_SLAB_BYTES and at most half of C (V D elt bytes); at least one tile."""
+    budget = slab_bytes or min(FWD_SLAB_BYTES, V * D * elt // 2)
+    return max(1, budget // (BLOCK_V * D * elt))
+
+
 def linear_ce_forward(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -310,8 +317,7 @@ def linear_ce_forward(
 
     # Slabs of tiles [lo, hi), each one descriptor range of gathered rows (TMA, sorted or unaligned c).
     if tma and (stats or not tma_rows_ok(c)):
-        budget = slab_bytes or min(FWD_SLAB_BYTES, V * D * c.element_size() // 2)
-        slab_tiles = max(1, budget // (BV * D * c.element_size()))
+        slab_tiles = fwd_slab_tiles(V, D, c.element_size(), BV, slab_bytes)
         slabs = [(lo, min(lo + slab_tiles, n_vtiles)) for lo in range(0, n_vtiles, slab_tiles)]
     else:
         slabs = [(0, n_vtiles)]
