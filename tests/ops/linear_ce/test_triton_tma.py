@@ -163,11 +163,16 @@ def test_tma_exact_slabs_match_plain_kernel(case, dtype):
 
 
 def test_fwd_slab_tiles():
-    """The sorted walk's slabs: FWD_SLAB_BYTES of gathered rows, at most half of C (so that the
-    training forward's buffer stays below the backward's peak, which holds dC), at least one
-    tile; an explicit slab_bytes as given."""
-    tile = 256 * 2048 * 2  # bytes of one tile's rows at D = 2048, bf16
-    assert fwd_slab_tiles(248320, 2048, 2, 256) == FWD_SLAB_BYTES // tile  # C ~1 GB: the default
-    assert fwd_slab_tiles(65536, 2048, 2, 256) == 65536 // 256 // 2  # C 256 MB: half of it
+    """The sorted walk's slabs: the fewest of at most FWD_SLAB_BYTES of gathered rows, at least two
+    (so that the training forward's buffer, about half of C, stays below the backward's peak,
+    which holds dC), balanced (no slab of a tile left over); an explicit slab_bytes as given."""
+    MiB = 1 << 20
+    tile = 256 * 2048 * 2  # bytes of one tile's rows at D = 2048, bf16: 1 MiB
+    assert FWD_SLAB_BYTES == 256 * MiB
+    assert fwd_slab_tiles(248320, 2048, 2, 256) == 243  # 970 tiles: 4 slabs of <= 256 MiB
+    assert fwd_slab_tiles(128256, 2048, 2, 256) == 251  # 501 tiles: 2 slabs (not 250 + 250 + 1)
+    assert fwd_slab_tiles(65536, 2048, 2, 256) == 128  # C 256 MiB: two halves
+    assert fwd_slab_tiles(128256, 8192, 2, 256) == 63  # 2004 MiB: 8 slabs of 252 MiB
     assert fwd_slab_tiles(65536, 2048, 2, 256, slab_bytes=3 * tile) == 3
-    assert fwd_slab_tiles(100, 40, 4, 32) == 1 and fwd_slab_tiles(100, 40, 4, 32, slab_bytes=1) == 1
+    assert fwd_slab_tiles(100, 40, 4, 32) == 2  # 4 tiles: two slabs
+    assert fwd_slab_tiles(20, 40, 4, 32) == 1 and fwd_slab_tiles(100, 40, 4, 32, slab_bytes=1) == 1

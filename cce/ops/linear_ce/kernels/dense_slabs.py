@@ -387,13 +387,14 @@ def run_dense_slabs(
 def _slab_products_kernel(
     W,  # [R, >= V] fp32 per-class weights of R rows, in the sorted order (position p)
     C, Perm,  # [V, D] classifier, [V] class at each sorted position
-    Out,  # [n_slabs, R, D] fp32
+    Out,  # [n_parts, R, D] fp32
     R, V, D, stride_w, stride_c, width,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Out[s, r, D chunk] = sum over the positions p of slab s ([s width, (s + 1) width) of the
-    sorted vocabulary) of W[r, p] C[perm[p], D chunk]: a few rows' weighted class sums per slab
-    (slab_choice.slab_errors), C read once."""
+    """Out[s, r, D chunk] = sum over the positions p of part s ([s width, (s + 1) width) of the
+    sorted vocabulary; ``width`` is a part's, slab_products adds a slab's parts) of W[r, p]
+    C[perm[p], D chunk], for the rows r of block program_id(2): a few rows' weighted class sums
+    (slab_choice.slab_errors), C read once per row block."""
     s = tl.program_id(0)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < R

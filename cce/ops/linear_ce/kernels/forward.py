@@ -258,10 +258,16 @@ FWD_TMA_SORTED_MIN_N = 4096
 
 
 def fwd_slab_tiles(V: int, D: int, elt: int, BLOCK_V: int, slab_bytes: int | None = None) -> int:
-    """Vocabulary tiles per slab of the sorted TMA walk: ``slab_bytes`` of gathered rows, by
-    default FWD_SLAB_BYTES and at most half of C (V D elt bytes); at least one tile."""
-    budget = slab_bytes or min(FWD_SLAB_BYTES, V * D * elt // 2)
-    return max(1, budget // (BLOCK_V * D * elt))
+    """Vocabulary tiles per slab of the sorted TMA walk. By default the fewest slabs, at least two,
+    of at most FWD_SLAB_BYTES of gathered rows each, balanced (so each holds about half of C or
+    less: a slab of a tile or two left over would cost a copy, a descriptor and a launch of its
+    own); with ``slab_bytes``, as many whole tiles as that holds. At least one tile."""
+    nt = -(-V // BLOCK_V)
+    tile = BLOCK_V * D * elt
+    if slab_bytes:
+        return max(1, slab_bytes // tile)
+    slabs = max(2, -(-(nt * tile) // FWD_SLAB_BYTES))
+    return max(1, -(-nt // slabs))
 
 
 def linear_ce_forward(
@@ -292,8 +298,8 @@ def linear_ce_forward(
 
     ``tma`` (default: ``use_tma``, for a sorted walk from FWD_TMA_SORTED_MIN_N rows on) reads tiles
     by tensor descriptors: the rows ``e2d[erow]`` are gathered once into an [N, D] buffer, and a
-    sorted vocabulary is walked in slabs of about ``slab_bytes`` (default FWD_SLAB_BYTES, at most
-    half of c) whose rows are gathered into a buffer first.
+    sorted vocabulary is walked in slabs (fwd_slab_tiles: at most FWD_SLAB_BYTES and about half of
+    c by default, else ``slab_bytes``) whose rows are gathered into a buffer first.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
