@@ -245,10 +245,10 @@ FWD_PROGRAMS_PER_SM = 8
 FWD_PROGRAMS_PER_SM_TMA = 16
 
 # Sorted walks with TMA copy the vocabulary rows of each slab of tiles, in walking order, into
-# a buffer of about this size (Hopper has no gathering tensor copy), and at most half of C: a
-# transient of the training forward that stays below the backward's peak, which holds dC (C's
-# size) and dE besides (a buffer of all of C made the forward the step's peak, growing with N
-# by the forward's statistics). Each slab costs a copy, a descriptor and a launch on the host
+# a buffer of at most this size (Hopper has no gathering tensor copy), and of about half of C
+# or less (fwd_slab_tiles): a transient of the training forward below the backward's peak,
+# which holds dC (C's size) and dE besides (a buffer of all of C made the forward the step's
+# peak, growing with N by the forward's statistics). Each slab costs a copy, a descriptor and a launch on the host
 # (~0.1 ms per slab on an H100 host: 16 slabs of 64 MB at V = 248320, D = 2048) and a tail wave
 # on the device.
 FWD_SLAB_BYTES = 256 << 20
