@@ -248,9 +248,9 @@ FWD_PROGRAMS_PER_SM_TMA = 16
 # a buffer of at most this size (Hopper has no gathering tensor copy), and of about half of C
 # or less (fwd_slab_tiles): a transient of the training forward below the backward's peak,
 # which holds dC (C's size) and dE besides (a buffer of all of C made the forward the step's
-# peak, growing with N by the forward's statistics). Each slab costs a copy, a descriptor and a launch on the host
-# (~0.1 ms per slab on an H100 host: 16 slabs of 64 MB at V = 248320, D = 2048) and a tail wave
-# on the device.
+# peak, growing with N by the forward's statistics). Each slab costs a copy, a descriptor and
+# a launch on the host (~0.1 ms per slab on an H100 host: 16 slabs of 64 MB at V = 248320,
+# D = 2048) and a tail wave on the device.
 FWD_SLAB_BYTES = 256 << 20
 # ... and the sorted walk goes by descriptors from this many rows on: below, its per-slab row
 # copies, descriptors and launches cost more host time than the descriptors save.
