@@ -250,6 +250,7 @@ def _no_grad(fn, *args):
 def run_row(p: Provider, case: dict, inputs: dict, device: torch.device, cfg: Config) -> dict:
     """Runs one provider on one case; never raises (the failure goes into the row)."""
     row = dict(case, provider=p.name, status="ok", error=None)
+    t0 = time.perf_counter()
     why = p.unavailable()
     if why is None and p.needs_cuda and device.type != "cuda":
         why = "needs CUDA"
@@ -299,6 +300,7 @@ def run_row(p: Provider, case: dict, inputs: dict, device: torch.device, cfg: Co
     finally:
         out = step = setup = None
         _free(device)
+        row["s"] = round(time.perf_counter() - t0, 2)  # the row's wall time: compile, warm-up, timing
     return row
 
 
@@ -338,7 +340,7 @@ def _progress(i: int, total: int, row: dict) -> str:
     head += f"{row['provider']:<20}"
     if row["status"] != "ok":
         return head + f" {row['status'].upper()}: {row['error']}"
-    parts = [f"{row['ms']:9.3f} ms"]
+    parts = [f"{row['ms']:9.3f} ms"] + ([f"({row['s']:.0f} s)"] if "s" in row else [])
     if row.get("x_floor") is not None:
         parts.append(f"{row['x_floor']:5.2f}x floor")
     if row.get("peak_mb") is not None:
@@ -443,6 +445,7 @@ def run(cfg: Config) -> dict:
             i += len(todo)  # every row of this case is in the resumed result: no inputs made
             continue
         inputs, setup_err = _case_inputs(lvl, shape, regime, device, cfg, base)
+        base["inputs_s"] = round(time.perf_counter() - t0, 2)  # inputs (a model's training) + reference
         cfg.log(
             f"# {lvl} {shape.name} (N={shape.N}, D={shape.D}, V={shape.V}) {regime}: inputs + reference "
             f"{time.perf_counter() - t0:.1f} s"
