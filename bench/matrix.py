@@ -49,22 +49,33 @@ def _is_peer(name: str) -> bool:
     return not name.startswith("cce")
 
 
+def cells(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
+    """The matrix's fwd+bwd rows that ran, by (shape, regime), then by provider."""
+    out: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        if r.get("level") == "linear" and r.get("mode") == "fwd+bwd" and r.get("status") == "ok":
+            out.setdefault((r["shape"], r["regime"]), {})[r["provider"]] = r
+    return out
+
+
+def fastest_peer(by_provider: dict[str, dict]) -> dict | None:
+    """The row of the fastest provider that is not cce (None where no peer ran)."""
+    peers = [r for n, r in by_provider.items() if _is_peer(n)]
+    return min(peers, key=lambda r: r["ms"]) if peers else None
+
+
 def summarize(rows: list[dict]) -> str:
     """One line per (shape, data) of the fwd+bwd rows: cce default and exact, the fastest peer,
     the speedup over it, whether the default is the fastest choice, its errors; the geometric
     mean of the speedups last."""
-    cells: dict[tuple[str, str], dict[str, dict]] = {}
-    for r in rows:
-        if r.get("level") == "linear" and r.get("mode") == "fwd+bwd" and r.get("status") == "ok":
-            cells.setdefault((r["shape"], r["regime"]), {})[r["provider"]] = r
     cols = ["shape", "data", "cce ms", "exact ms", "fastest peer", "peer ms", "speedup", "default fastest",
             "dE err", "dC err"]  # fmt: skip
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     speedups = []
-    for (shape, regime), by in sorted(cells.items()):
+    for (shape, regime), by in sorted(cells(rows).items()):
         d, x = by.get(CCE), by.get(EXACT)
         peers = [r for n, r in by.items() if _is_peer(n)]
-        best = min(peers, key=lambda r: r["ms"]) if peers else None
+        best = fastest_peer(by)
         sp = best["ms"] / d["ms"] if (d and best) else None
         if sp:
             speedups.append(sp)

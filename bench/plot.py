@@ -2,7 +2,10 @@
 
 - ``<stem>_<level>_<regime>.png``: per shape, grouped bars of median ms (the floor as a black
   tick) and of peak MB above the inputs (gradient buffers as a black tick), one column per mode;
-- ``<stem>_sweep_<regime>.png``: the N sweep, ms and peak MB against N, one line per provider.
+- ``<stem>_sweep_<regime>.png``: the N sweep, ms and peak MB against N, one line per provider;
+- ``<stem>_matrix.png`` (a ``--matrix`` result): per data regime, a grid of heads x token counts
+  coloured by the speedup of cce's default over the fastest peer (fastest peer / default), each
+  cell marked where cce's exact path or a peer is faster than the default.
 
 Failed rows are left out of the plots (the table and the JSON keep them).
 """
@@ -58,7 +61,10 @@ def _bars(result: dict, level: str, regime: str, path: Path) -> Path | None:
                 if refs:
                     ax.hlines(refs[0], si - 0.45, si + 0.45, colors="k", linewidth=1.5)
             ax.set_xticks(range(len(shapes)))
-            ax.set_xticklabels(shapes, fontsize=8)
+            if len(shapes) > 6:  # long lists of names (the matrix's head@N) would overlap
+                ax.set_xticklabels(shapes, fontsize=7, rotation=35, ha="right")
+            else:
+                ax.set_xticklabels(shapes, fontsize=8)
             ax.set_ylabel(label)
             if key == "peak_mb":
                 ax.set_yscale("log")
@@ -109,6 +115,52 @@ def _sweep(result: dict, regime: str, path: Path) -> Path | None:
     return path
 
 
+def _matrix(result: dict, path: Path) -> Path | None:
+    import math
+
+    from matplotlib.colors import LogNorm
+
+    from .matrix import CCE, EXACT, MATRIX_HEADS, cells, fastest_peer
+
+    by_cell = cells(result["rows"])
+    if not by_cell or not all("@N=" in shape for shape, _ in by_cell):
+        return None
+    regimes = _order(regime for _, regime in by_cell)
+    heads = [h for h in MATRIX_HEADS if any(shape.startswith(h + "@") for shape, _ in by_cell)]
+    ns = sorted({int(shape.split("@N=")[1]) for shape, _ in by_cell})
+    size = (2.4 + 1.3 * len(ns) * len(regimes), 0.5 * len(heads) + 2)
+    fig, axes = plt.subplots(1, len(regimes), figsize=size, squeeze=False)
+    norm = LogNorm(vmin=0.5, vmax=2.0)
+    for ax, regime in zip(axes[0], regimes, strict=True):
+        grid = [[math.nan] * len(ns) for _ in heads]
+        for i, h in enumerate(heads):
+            for j, n in enumerate(ns):
+                by = by_cell.get((f"{h}@N={n}", regime), {})
+                d, best = by.get(CCE), fastest_peer(by)
+                if not (d and best):
+                    continue
+                grid[i][j] = best["ms"] / d["ms"]
+                rivals = [best["ms"]] + ([by[EXACT]["ms"]] if EXACT in by else [])
+                mark = "" if d["ms"] <= min(rivals) else "*"
+                ax.text(j, i, f"{grid[i][j]:.2f}{mark}", ha="center", va="center", fontsize=8)
+        im = ax.imshow(grid, cmap="RdYlGn", norm=norm, aspect="auto")
+        ax.set_xticks(range(len(ns)))
+        ax.set_xticklabels([str(n) for n in ns], fontsize=8)
+        ax.set_yticks(range(len(heads)))
+        ax.set_yticklabels(heads if ax is axes[0][0] else [""] * len(heads), fontsize=8)
+        ax.set_xlabel("N (tokens)", fontsize=8)
+        ax.set_title(regime, fontsize=9)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="fastest peer / cce default")
+    fig.suptitle(
+        f"{result['meta']['gpu']}, {result['meta']['dtype']}, {result['meta']['date']}: speedup of the "
+        "default over the fastest peer (*: the default is not the fastest choice)",
+        fontsize=8,
+    )
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_result(result: dict, out_dir: Path, stem: str) -> list[Path]:
     """Writes the plots of ``result`` into ``out_dir``; returns the paths written."""
     out_dir = Path(out_dir)
@@ -123,6 +175,9 @@ def plot_result(result: dict, out_dir: Path, stem: str) -> list[Path]:
         p = _sweep(result, regime, out_dir / f"{stem}_sweep_{regime}.png")
         if p:
             paths.append(p)
+    p = _matrix(result, out_dir / f"{stem}_matrix.png")
+    if p:
+        paths.append(p)
     return paths
 
 

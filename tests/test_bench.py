@@ -255,6 +255,29 @@ def test_matrix_config_and_summary():
     assert "geometric mean of (fastest peer / cce default) over 1 cells: 2.00" in text
 
 
+def test_matrix_plot(tmp_path):
+    """A --matrix result gets its speedup grid (one panel per regime) beside the bar plots; a
+    result of other shapes does not."""
+    pytest.importorskip("matplotlib")
+    from bench.plot import plot_result
+
+    base = dict(level="linear", mode="fwd+bwd", status="ok", N=2048, D=768, V=50257, floor_ms=1.0,
+                grad_mb=1.0, peak_mb=1.5)  # fmt: skip
+    rows = [
+        dict(base, shape=f"{h}@N={n}", regime=regime, provider=p, ms=ms)
+        for h in ("gpt2", "mistral-7b")
+        for n in (2048, 8192)
+        for regime in ("zipf", "real")
+        for p, ms in (("cce", 2.0), ("cce-exact", 3.0), ("torch-compile", 2.5))
+    ]
+    result = {"meta": {"gpu": "cpu", "dtype": "bfloat16", "date": "today"}, "rows": rows}
+    paths = plot_result(result, tmp_path, "m")
+    assert tmp_path / "m_matrix.png" in paths and (tmp_path / "m_matrix.png").stat().st_size > 0
+    for r in rows:
+        r["shape"] = "tiny"
+    assert tmp_path / "n_matrix.png" not in plot_result(result, tmp_path, "n")
+
+
 def test_matrix_split_and_merge():
     """--matrix-gpus: every head in exactly one group, the groups' work (D V) balanced within the
     largest head; merging keeps every part's rows and records each part."""
