@@ -11,12 +11,14 @@ Hugging Face models: ``cce.transformers.patch(model)``; vocabulary parallelism:
 from .ops.cross_entropy import CausalLMLoss, CrossEntropyLoss, cross_entropy, cross_entropy_with_options
 from .ops.linear_ce import LinearCrossEntropy, linear_cross_entropy, linear_cross_entropy_with_options
 from .options import CCEOptions, Tuning
+from .outputs import LossOutputs
 
 __all__ = [
     "CCEOptions",
     "CausalLMLoss",
     "CrossEntropyLoss",
     "LinearCrossEntropy",
+    "LossOutputs",
     "Tuning",
     "cross_entropy",
     "cross_entropy_with_options",

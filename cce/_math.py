@@ -23,6 +23,13 @@ with, for an upstream gradient ``g_i`` on loss_i and ``h_i`` on lse_i (return_ls
     gamma_i = g_i ls / V
 
 Kernels only ever see (alpha, beta, gamma): they never need to know which options produced them.
+
+Per-token outputs (cce.LossOutputs) add two terms. The target's log-probability tgt_i - lse_i
+is differentiable through lse (h above) and tgt, whose gradient u_i enters as beta_i -= u_i.
+The entropy H_i = lse_i - sum_v p_iv L_iv has dH_i / dL_iv = p_iv (lse_i - H_i - L_iv): for an
+upstream gradient delta_i, alpha_i += delta_i (lse_i - H_i) and a term eta_i p_iv L_iv with
+eta_i = -delta_i, the one term that is not of the form above (output_coefficients). With a
+temperature T (logits softcap(x) / T) every coefficient is divided by T: the chain rule's factor.
 """
 
 from __future__ import annotations
@@ -160,3 +167,25 @@ def coefficients(
     if gamma is None:
         gamma = torch.zeros_like(beta)
     return alpha.contiguous(), beta, gamma
+
+
+def output_coefficients(
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    u: torch.Tensor | None,
+    delta: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    valid: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(alpha, beta, eta) with the gradients of the per-token outputs added: u on the target
+    logit, delta on the entropy (``entropy``: its forward values). eta (the coefficient of
+    p_iv L_iv) is None without delta; ignored rows get nothing (their outputs are constants)."""
+    if u is not None:
+        beta = beta - torch.where(valid, u.float(), 0.0)
+    eta = None
+    if delta is not None:
+        d = torch.where(valid, delta.float(), 0.0)
+        alpha = alpha + d * (lse - entropy.float())
+        eta = -d
+    return alpha, beta, eta

@@ -22,6 +22,8 @@ FilterEps = float | Literal["auto"] | None
 Backward = Literal["auto", "sparse", "recompute"]
 
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
+# The per-token outputs a call may ask for besides the loss and lse (cce.LossOutputs' fields).
+TOKEN_OUTPUTS: tuple[str, ...] = ("return_logprobs", "return_entropy", "return_argmax", "return_accuracy")
 IMPLS: tuple[str, ...] = ("auto", "triton", "torch")
 BACKWARDS: tuple[str, ...] = ("auto", "sparse", "recompute")
 # Input dtypes every entry point accepts (float64 runs the Triton kernels in fp32).
@@ -196,6 +198,11 @@ class CCEOptions:
     filter_eps: FilterEps = "auto"
     impl: Impl = "auto"
     return_lse: bool = False
+    temperature: float = 1.0
+    return_logprobs: bool = False
+    return_entropy: bool = False
+    return_argmax: bool = False
+    return_accuracy: bool = False
     tuning: Tuning | None = None  # None: Tuning() (a default instance here would not trace)
 
     def __post_init__(self) -> None:
@@ -207,8 +214,14 @@ class CCEOptions:
             raise ValueError(f"impl must be one of {IMPLS}, got {self.impl!r}")
         if not isinstance(self.shift, bool):
             raise TypeError(f"shift must be a bool, got {self.shift!r}")
-        if not isinstance(self.return_lse, bool):
-            raise TypeError(f"return_lse must be a bool, got {self.return_lse!r}")
+        for name in ("return_lse", *TOKEN_OUTPUTS):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)):
+            raise TypeError(f"temperature must be a float > 0, got {t!r}")
+        if not (t > 0 and math.isfinite(t)):
+            raise ValueError(f"temperature must be a finite float > 0, got {t!r}")
         if self.tuning is not None and not isinstance(self.tuning, Tuning):
             raise TypeError(f"tuning must be a cce.Tuning or None, got {self.tuning!r}")
         if self.softcap is not None:
@@ -238,6 +251,18 @@ class CCEOptions:
         if self.filter_eps == "auto":
             return AUTO_FILTER_EPS.get(dtype, 0.0)
         return float(self.filter_eps)
+
+    @property
+    def token_outputs(self) -> bool:
+        """Whether any per-token output beyond the loss and lse is asked for (the result is then
+        a :class:`cce.LossOutputs`)."""
+        return any(getattr(self, name) for name in TOKEN_OUTPUTS)
+
+    @property
+    def differentiable_outputs(self) -> bool:
+        """Whether an output other than the loss can carry a gradient back (lse, log-probs,
+        entropy): the loss' upstream gradient then does not determine the gradients alone."""
+        return self.return_lse or self.return_logprobs or self.return_entropy
 
     @property
     def resolved_tuning(self) -> Tuning:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .outputs import LossOutputs
+
 
 def _softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     if softcap is None:
@@ -28,16 +30,23 @@ def cross_entropy_reference(
     weight: torch.Tensor | None = None,
     z_loss: float = 0.0,
     return_lse: bool = False,
+    temperature: float = 1.0,
+    return_logprobs: bool = False,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+    return_accuracy: bool = False,
     dtype: torch.dtype = torch.float32,
 ):
-    """``F.cross_entropy(softcap(logits), targets)`` in ``dtype`` with cce's conventions.
+    """``F.cross_entropy(softcap(logits) / temperature, targets)`` in ``dtype`` with cce's conventions.
 
     Conventions (the deliberate differences from torch): the result is in ``dtype``; "mean" over
     an all-ignored batch is 0 (not NaN); "none" is shaped like ``targets`` (``targets[..., 1:]``
     with ``shift``) and 0 at ignored positions; ``z_loss * lse**2`` is added to each valid token's
-    loss; the returned lse is 0 at ignored positions.
+    loss; the returned lse is 0 at ignored positions. With any ``return_logprobs``,
+    ``return_entropy``, ``return_argmax`` or ``return_accuracy`` the result is a
+    :class:`cce.LossOutputs` (the conventions of its fields are documented there).
     """
-    L = _softcap(logits.to(dtype), softcap)
+    L = _softcap(logits.to(dtype), softcap) / temperature
     if shift:
         L = L[..., :-1, :]
         targets = targets[..., 1:]
@@ -62,9 +71,25 @@ def cross_entropy_reference(
         else:
             den = torch.where(valid, w[torch.where(valid, t, 0)], 0.0).sum()
         loss = tok.sum() / torch.where(den != 0, den, torch.ones_like(den))
+    if not (return_logprobs or return_entropy or return_argmax or return_accuracy):
+        return (loss, lse.reshape(out_shape)) if return_lse else loss
+    safe = torch.where(valid, t, 0)
+    logp = F.log_softmax(L, dim=-1)
+    out = {"loss": loss}
     if return_lse:
-        return loss, lse.reshape(out_shape)
-    return loss
+        out["lse"] = lse.reshape(out_shape)
+    if return_logprobs:
+        out["logprobs"] = torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).reshape(out_shape)
+    if return_entropy:
+        ent = torch.special.entr(logp.exp()).sum(-1)  # -p log p, 0 where p = 0
+        out["entropy"] = torch.where(valid, ent, 0.0).reshape(out_shape)
+    amax = torch.where(valid, L.argmax(dim=-1), -1)
+    if return_argmax:
+        out["argmax"] = amax.reshape(out_shape)
+    if return_accuracy:
+        hits = (valid & (amax == t)).sum().to(torch.float32)
+        out["accuracy"] = hits / valid.sum().clamp(min=1).to(torch.float32)
+    return LossOutputs(**out)
 
 
 def linear_cross_entropy_reference(

@@ -10,6 +10,7 @@ from torch import nn
 from ..._dispatch import is_dtensor, needs_grad, select_impl
 from ..._validation import check_linear_inputs
 from ...options import CCEOptions
+from ...outputs import assemble
 from .rows import flatten_rows
 
 
@@ -24,6 +25,11 @@ def linear_cross_entropy_with_options(
 ):
     """linear_cross_entropy with its options already in a :class:`CCEOptions`."""
     if process_group is not None or is_dtensor(c):
+        if opts.temperature != 1.0 or opts.token_outputs:
+            raise NotImplementedError(
+                "temperature and the per-token outputs (log-probs, entropy, argmax, accuracy) are not "
+                "yet supported under vocabulary parallelism"
+            )
         from ...distributed.vocab_parallel import vocab_parallel_with_options
 
         return vocab_parallel_with_options(e, c, targets, bias, weight, opts, process_group)
@@ -53,6 +59,15 @@ def _autocast_operands(e, c, bias):
 
 def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
     impl = select_impl(opts.impl, e.device)
+    if impl == "triton" and (opts.temperature != 1.0 or opts.token_outputs):
+        # The Triton kernels do not take a temperature nor form these outputs yet (issue 18):
+        # "auto" runs the PyTorch implementation (chunked, on the same device) for such calls.
+        if opts.impl == "triton":
+            raise NotImplementedError(
+                "impl='triton' does not yet support temperature != 1 or the per-token outputs "
+                "(log-probs, entropy, argmax, accuracy); use impl='torch' or impl='auto'"
+            )
+        impl = "torch"
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)
@@ -63,19 +78,22 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
     if impl == "torch":
         from .torch_impl import linear_ce_torch_fwd
 
-        precompute = (need_de or need_dc or need_db) and opts.reduction != "none" and not opts.return_lse
-        loss, lse, *_ = linear_ce_torch_fwd(
-            *args, precompute, need_de, need_dc, need_db, opts.resolved_tuning.chunk_bytes
+        grads = need_de or need_dc or need_db
+        precompute = grads and opts.reduction != "none" and not opts.differentiable_outputs
+        loss, lse, tgt_logit, entropy, argmax, *_ = linear_ce_torch_fwd(
+            *args, precompute, need_de, need_dc, need_db, opts.resolved_tuning.chunk_bytes,
+            float(opts.temperature), opts.return_entropy, opts.return_argmax or opts.return_accuracy,
         )  # fmt: skip
+        entropy = entropy if opts.return_entropy else None  # (empty when not asked for)
+        argmax = argmax if (opts.return_argmax or opts.return_accuracy) else None
     else:
         from .triton_impl import linear_ce_triton
 
         loss, lse = linear_ce_triton(*args, need_de, need_dc, need_db, opts.resolved_tuning)
+        tgt_logit = entropy = argmax = None
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
-    if opts.return_lse:
-        return loss, lse.reshape(out_shape)
-    return loss
+    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, out_shape)
 
 
 def linear_cross_entropy(
@@ -94,6 +112,11 @@ def linear_cross_entropy(
     filter_eps: float | str | None = "auto",
     impl: str = "auto",
     return_lse: bool = False,
+    temperature: float = 1.0,
+    return_logprobs: bool = False,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+    return_accuracy: bool = False,
     process_group=None,
 ):
     """Cross entropy of the linear classifier ``e @ c.T + bias``, without materializing the logits.
@@ -102,6 +125,7 @@ def linear_cross_entropy(
 
         logits = (e @ c.T + bias).float()
         if softcap: logits = softcap * torch.tanh(logits / softcap)
+        logits = logits / temperature
         if shift: logits, targets = logits[..., :-1, :], targets[..., 1:]
         loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), weight=weight,
                                ignore_index=ignore_index, reduction=reduction,
@@ -124,6 +148,17 @@ def linear_cross_entropy(
         filter_eps: gradient filtering threshold: ``"auto"`` (by dtype), a float, or None (exact).
         impl: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
         return_lse: also return the (differentiable) log-sum-exp per token, 0 at ignored tokens.
+        temperature: divides the logits (after softcap), as samplers apply it; every output is
+            of the divided logits.
+        return_logprobs: also return the target token's log-probability
+            (``log_softmax(logits).gather(-1, targets)``), differentiable.
+        return_entropy: also return the softmax's entropy per token, differentiable.
+        return_argmax: also return the argmax id per token (ties: the smallest id).
+        return_accuracy: also return the share of non-ignored tokens whose argmax is the target.
+            With any of these four the result is a :class:`cce.LossOutputs` (loss first; the
+            outputs' conventions at ignored tokens are documented there). For now they, and a
+            temperature other than 1, run ``impl="torch"`` (``"auto"`` picks it on CUDA too),
+            and not under vocabulary parallelism.
         process_group: vocabulary parallelism: ``c`` (and ``bias`` / ``weight``) are this rank's
             contiguous block of classifier rows, ``e`` and ``targets`` (global ids) are the same
             on every rank (see :mod:`cce.distributed`). A ``DTensor`` ``c`` sharded ``Shard(0)``
@@ -132,8 +167,9 @@ def linear_cross_entropy(
     Returns:
         The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``
         with ``shift``) for ``reduction="none"``, 0 at ignored positions. With ``return_lse``,
-        ``(loss, lse)``. A "mean" over an all-ignored batch is 0.0 with zero gradients (not NaN).
-        Gradients come back in each input's dtype; inputs are never modified.
+        ``(loss, lse)``; with a per-token output, a :class:`cce.LossOutputs`. A "mean" over an
+        all-ignored batch is 0.0 with zero gradients (not NaN). Gradients come back in each
+        input's dtype; inputs are never modified.
     """
     opts = CCEOptions(
         ignore_index=ignore_index,
@@ -145,6 +181,11 @@ def linear_cross_entropy(
         filter_eps=filter_eps,
         impl=impl,
         return_lse=return_lse,
+        temperature=temperature,
+        return_logprobs=return_logprobs,
+        return_entropy=return_entropy,
+        return_argmax=return_argmax,
+        return_accuracy=return_accuracy,
     )
     return linear_cross_entropy_with_options(e, c, targets, bias, weight, opts, process_group)
 
@@ -170,6 +211,11 @@ class LinearCrossEntropy(nn.Module):
         filter_eps: float | str | None = "auto",
         impl: str = "auto",
         return_lse: bool = False,
+        temperature: float = 1.0,
+        return_logprobs: bool = False,
+        return_entropy: bool = False,
+        return_argmax: bool = False,
+        return_accuracy: bool = False,
         process_group=None,
     ) -> None:
         super().__init__()
@@ -184,6 +230,11 @@ class LinearCrossEntropy(nn.Module):
             filter_eps=filter_eps,
             impl=impl,
             return_lse=return_lse,
+            temperature=temperature,
+            return_logprobs=return_logprobs,
+            return_entropy=return_entropy,
+            return_argmax=return_argmax,
+            return_accuracy=return_accuracy,
         )
         self.register_buffer("weight", weight)
 

@@ -32,8 +32,9 @@ class ChunkedProblem:
     """Per-call constants of one linear-cross-entropy evaluation."""
 
     def __init__(
-        self, e2d, c, bias, weight, rows, targets, ignore_index, softcap, ls, z_loss, eps, chunk_bytes=None
-    ):
+        self, e2d, c, bias, weight, rows, targets, ignore_index, softcap, ls, z_loss, eps, chunk_bytes=None,
+        temperature: float = 1.0, want_entropy: bool = False, want_argmax: bool = False,
+    ):  # fmt: skip
         self.e2d, self.c, self.rows, self.targets = e2d, c, rows, targets
         self.acc = _math.acc_dtype(e2d.dtype)
         self.V, self.D = c.shape
@@ -44,6 +45,11 @@ class ChunkedProblem:
         self.bias = None if bias is None else bias.to(self.acc)
         self.weight = None if weight is None else weight.to(self.acc)
         self.softcap = softcap
+        # The logits are softcap(e c^T + bias) / temperature; the gradients' chain rule divides
+        # every coefficient by it (loss_coefficients).
+        self.temperature = float(temperature)
+        self.want_entropy, self.want_argmax = want_entropy, want_argmax
+        self.entropy = self.argmax = None  # [N] per row after a forward run() that wants them
         self.k = _math.LossConsts(ls, z_loss, self.V)
         self.valid = targets != ignore_index
         self.safe_t = torch.where(self.valid, targets, torch.zeros_like(targets))
@@ -57,7 +63,8 @@ class ChunkedProblem:
         else:
             self.order = None
         n_rows = self.N if self.order is None else self.order.numel()
-        per_row = self.V * torch.finfo(self.acc).bits // 8 * (2 if softcap > 0 else 1)
+        # Chunk-sized temporaries: the logits, tanh with softcap, the softmax for the entropy.
+        per_row = self.V * torch.finfo(self.acc).bits // 8 * (1 + (softcap > 0) + want_entropy)
         budget = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self.chunk = max(1, min(n_rows, budget // max(per_row, 1)))
         self.n_rows = n_rows
@@ -98,7 +105,9 @@ class ChunkedProblem:
                 z += self.bias
         if self.softcap > 0:
             th = z.div_(self.softcap).tanh_()
-            return th * self.softcap, th
+            return th * (self.softcap / self.temperature), th
+        if self.temperature != 1.0:
+            z.div_(self.temperature)
         return z, None
 
     def stats_(self, L: torch.Tensor, tc: torch.Tensor):
@@ -238,14 +247,35 @@ class ChunkedProblem:
                 dC.addr_(wv, gamma @ ecf, alpha=-1.0)
         return dE_c
 
-    def loss_coefficients(self, g: torch.Tensor, h: torch.Tensor | None):
-        """Per-chunk (alpha, beta, gamma) of this loss for upstream g (on the loss) and h (lse)."""
+    def loss_coefficients(
+        self,
+        g: torch.Tensor,
+        h: torch.Tensor | None,
+        u: torch.Tensor | None = None,
+        delta: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
+    ):
+        """Per-chunk coefficients of this loss for upstream g (on the loss), h (lse), u (the
+        target logit) and delta (the entropy, whose forward values ``entropy`` it needs):
+        (alpha, beta, gamma), or (alpha, beta, gamma, eta) with the entropy's term (_math)."""
+        inv_t = 1.0 / self.temperature
 
         def coef(prow, lse_c):
             hc = None if h is None else h[prow]
-            return _math.coefficients(
-                g[prow], hc, lse_c.float(), self.w_t[prow], self.W, self.valid[prow], self.k
+            v = self.valid[prow]
+            alpha, beta, gamma = _math.coefficients(
+                g[prow], hc, lse_c.float(), self.w_t[prow], self.W, v, self.k
             )
+            eta = None
+            if u is not None or delta is not None:
+                uc = None if u is None else u[prow]
+                dc = None if delta is None else delta[prow]
+                ent = None if entropy is None else entropy[prow]
+                alpha, beta, eta = _math.output_coefficients(alpha, beta, uc, dc, lse_c.float(), ent, v)
+            if inv_t != 1.0:
+                alpha, beta, gamma = alpha * inv_t, beta * inv_t, gamma * inv_t
+                eta = None if eta is None else eta * inv_t
+            return (alpha, beta, gamma) if eta is None else (alpha, beta, gamma, eta)
 
         return coef
 
@@ -266,14 +296,24 @@ class ChunkedProblem:
         dC = torch.zeros(self.V, self.D, dtype=acc, device=dev) if (want_grad and need_dc) else None
         dbias = torch.zeros(self.V, dtype=acc, device=dev) if (want_grad and need_dbias) else None
         corr: list = []
+        forward = lse_in is None
+        if forward and self.want_entropy:
+            self.entropy = torch.zeros(N, dtype=acc, device=dev)
+        if forward and self.want_argmax:
+            self.argmax = torch.zeros(N, dtype=torch.int64, device=dev)
         buf = torch.empty(min(self.chunk, max(self.n_rows, 1)), self.V, dtype=acc, device=dev)
         for prow, erow in self.chunks():
             ec = self.e_rows(erow)
             tc = self.safe_t[prow]
             L, th = self.logits(ec, buf)
             rowsum = None
-            if lse_in is None:
+            if forward:
+                if self.want_argmax:  # (before stats_ overwrites L; first index among ties)
+                    self.argmax[prow] = L.argmax(1)
+                pz = torch.softmax(L, 1).mul_(L).sum(1) if self.want_entropy else None  # E_p[z]
                 lse_c, tgt_c, ssum_c, rowsum = self.stats_(L, tc)
+                if pz is not None:
+                    self.entropy[prow] = lse_c - pz
                 lse[prow] = lse_c
                 tgt[prow] = tgt_c
                 if ssum is not None:
@@ -282,8 +322,15 @@ class ChunkedProblem:
                 lse_c = lse[prow]
             if not want_grad:
                 continue
-            alpha, beta, gamma = (None if x is None else x.to(acc) for x in coef(prow, lse_c))
-            if lse_in is not None:
+            alpha, beta, gamma, *eta = (None if x is None else x.to(acc) for x in coef(prow, lse_c))
+            if eta and eta[0] is not None:
+                # The entropy's term eta_i p_iv z_iv joins the dense part: P = p (alpha + eta z),
+                # from the saved lse (only the backward asks for it).
+                assert lse_in is not None, "the entropy's gradient is formed in the backward"
+                q = (L - lse_c[:, None]).exp_()
+                L.mul_(eta[0][:, None]).add_(alpha[:, None]).mul_(q)
+                r = None
+            elif lse_in is not None:
                 self.scaled_softmax_(L, lse_c, alpha)
                 r = None
             else:  # L holds rowsum * softmax: the row scale alpha / rowsum is left to grads

@@ -35,12 +35,15 @@ class FwdArgs(NamedTuple):
     need_dc: bool
     need_dbias: bool
     chunk_bytes: int | None
+    temperature: float  # the logits are softcap(e c^T + bias) / temperature
+    want_entropy: bool  # the per-row entropy of the softmax (an output)
+    want_argmax: bool  # the per-row argmax (an output)
 
 
-def _problem(a, filter_eps: float) -> ChunkedProblem:
+def _problem(a, filter_eps: float, want_entropy: bool = False, want_argmax: bool = False) -> ChunkedProblem:
     return ChunkedProblem(
         a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, a.ignore_index, a.softcap, a.label_smoothing,
-        a.z_loss, filter_eps, a.chunk_bytes,
+        a.z_loss, filter_eps, a.chunk_bytes, a.temperature, want_entropy, want_argmax,
     )  # fmt: skip
 
 
@@ -51,12 +54,22 @@ def _empty(ref: torch.Tensor) -> torch.Tensor:
 @define_op(
     "cce::linear_ce_torch_fwd",
     FwdArgs,
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+    ],
 )
 def linear_ce_torch_fwd(a: FwdArgs):
-    """(loss, lse, dE, dC, dbias); the gradients are for a unit upstream gradient and only
-    computed (else empty) when ``precompute``."""
-    pb = _problem(a, a.filter_eps)
+    """(loss, lse, tgt, entropy, argmax, dE, dC, dbias): lse, the target logit and the entropy
+    per row (fp32, 0 at ignored rows), the argmax (int64); entropy and argmax only when asked
+    for, the gradients (for a unit upstream gradient) only when ``precompute`` (else empty)."""
+    pb = _problem(a, a.filter_eps, a.want_entropy, a.want_argmax)
     g = None
     if a.precompute:
         ones = torch.ones((), dtype=torch.float32, device=a.e2d.device)
@@ -68,9 +81,15 @@ def linear_ce_torch_fwd(a: FwdArgs):
     )
     loss = _math.reduce_loss(loss_tok, pb.w_t, a.reduction)
     lse_out = torch.where(pb.valid, lse.float(), 0.0)
+    tgt_out = torch.where(pb.valid, tgt.float(), 0.0)
+    ent = _empty(lse_out) if pb.entropy is None else torch.where(pb.valid, pb.entropy.float(), 0.0)
+    amax = a.targets.new_empty(0) if pb.argmax is None else pb.argmax
     return (
         loss,
         lse_out,
+        tgt_out,
+        ent,
+        amax,
         _empty(a.e2d) if dE is None else dE,
         _empty(a.c) if dC is None else dC,
         _empty(a.c) if dbias is None else dbias,
@@ -83,10 +102,13 @@ def _fwd_fake(a: FwdArgs):
     pre = a.precompute
     loss = a.e2d.new_empty((N,) if a.reduction == "none" else (), dtype=torch.float32)
     lse = a.e2d.new_empty((N,), dtype=torch.float32)
+    tgt = a.e2d.new_empty((N,), dtype=torch.float32)
+    ent = a.e2d.new_empty((N,) if a.want_entropy else (0,), dtype=torch.float32)
+    amax = a.targets.new_empty((N,) if a.want_argmax else (0,), dtype=torch.int64)
     dE = a.e2d.new_empty(a.e2d.shape if (pre and a.need_de) else (0,), dtype=acc)
     dC = a.c.new_empty(a.c.shape if (pre and a.need_dc) else (0,), dtype=acc)
     db = a.c.new_empty((a.c.shape[0],) if (pre and a.need_dbias) else (0,), dtype=acc)
-    return loss, lse, dE, dC, db
+    return loss, lse, tgt, ent, amax, dE, dC, db
 
 
 register_fake(linear_ce_torch_fwd, _fwd_fake)
@@ -102,6 +124,9 @@ class BwdArgs(NamedTuple):
     lse: torch.Tensor  # [N] fp32 saved by the forward
     g: torch.Tensor  # [N] fp32 upstream gradient of each row's loss
     h: torch.Tensor | None  # [N] upstream gradient of the lse output
+    u: torch.Tensor | None  # [N] upstream gradient of the target logit output
+    delta: torch.Tensor | None  # [N] upstream gradient of the entropy output
+    entropy: torch.Tensor | None  # [N] the entropy (forward), needed with delta
     ignore_index: int
     softcap: float
     label_smoothing: float
@@ -111,15 +136,17 @@ class BwdArgs(NamedTuple):
     need_dc: bool
     need_dbias: bool
     chunk_bytes: int | None
+    temperature: float
 
 
 @define_op("cce::linear_ce_torch_bwd", BwdArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor])
 def linear_ce_torch_bwd(a: BwdArgs):
-    """(dE, dC, dbias) in the accumulation dtype for per-row upstream g (loss) and h (lse)."""
-    pb = _problem(a, a.filter_eps)
-    _, _, _, dE, dC, dbias = pb.run(
-        pb.loss_coefficients(a.g, a.h), a.lse.to(pb.acc), a.need_de, a.need_dc, a.need_dbias
-    )
+    """(dE, dC, dbias) in the accumulation dtype for per-row upstream g (loss), h (lse), u (target
+    logit) and delta (entropy). The entropy's gradient is not of the filter's form (its term
+    p z grows with the logit), so with delta the backward is exact."""
+    pb = _problem(a, 0.0 if a.delta is not None else a.filter_eps)
+    coef = pb.loss_coefficients(a.g, a.h, a.u, a.delta, a.entropy)
+    _, _, _, dE, dC, dbias = pb.run(coef, a.lse.to(pb.acc), a.need_de, a.need_dc, a.need_dbias)
     return (
         _empty(a.e2d) if dE is None else dE,
         _empty(a.c) if dC is None else dC,
@@ -139,8 +166,8 @@ register_fake(linear_ce_torch_bwd, _bwd_fake)
 
 
 def _setup_context(ctx, a: FwdArgs, output) -> None:
-    loss, lse, dE, dC, db = output
-    ctx.mark_non_differentiable(dE, dC, db)
+    loss, lse, tgt, ent, amax, dE, dC, db = output
+    ctx.mark_non_differentiable(amax, dE, dC, db)
     # No zero-filled incoming gradients for the unused outputs: dC's would be a fresh V x D
     # tensor filled each backward. _backward handles None for every incoming gradient.
     ctx.set_materialize_grads(False)
@@ -149,16 +176,18 @@ def _setup_context(ctx, a: FwdArgs, output) -> None:
     # Precomputed gradients are kept on ctx, not saved tensors: backward scales them in place,
     # which would trip autograd's version check on saved tensors.
     ctx.pre = ((dE, dC, db), (a.need_de, a.need_dc, a.need_dbias)) if a.precompute else None
-    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse)
+    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, ent)
 
 
-def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
+def _backward(ctx, g_loss, g_lse, g_tgt, g_ent, _g_amax, _g_de, _g_dc, _g_db):
     a: FwdArgs = ctx.args
     e_dtype, c_dtype, b_dtype = ctx.dtypes
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     needs = (need_de, need_dc, need_db)
     rest = (None,) * (len(FwdArgs._fields) - 3)
-    if ctx.pre is not None and all(done or not need for done, need in zip(ctx.pre[1], needs, strict=True)):
+    others = (g_lse, g_tgt, g_ent)
+    done = ctx.pre is not None and all(d or not need for d, need in zip(ctx.pre[1], needs, strict=True))
+    if done and all(x is None for x in others):
         # The gradients were computed in forward for a unit upstream gradient: scale them in
         # place (no second copy). A second backward through a retained graph recomputes below.
         (dE, dC, db), _ = ctx.pre
@@ -173,7 +202,7 @@ def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
             return t.mul_(s).to(dtype) if need else None
 
         return (scale(dE, e_dtype, need_de), scale(dC, c_dtype, need_dc), scale(db, b_dtype, need_db), *rest)
-    e2d, c, bias, weight, rows, targets, lse = ctx.saved_tensors
+    e2d, c, bias, weight, rows, targets, lse, ent = ctx.saved_tensors
     valid = targets != a.ignore_index
     w_t = _math.target_weight(weight, targets, valid)
     N = targets.numel()
@@ -183,8 +212,9 @@ def _backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db):
         g = _math.row_upstream(g_loss, w_t, a.reduction, N)
     need_db = need_db and bias is not None
     dE, dC, db = linear_ce_torch_bwd(
-        e2d, c, bias, weight, rows, targets, lse, g.contiguous(), g_lse, a.ignore_index, a.softcap,
-        a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc, need_db, a.chunk_bytes,
+        e2d, c, bias, weight, rows, targets, lse, g.contiguous(), g_lse, g_tgt, g_ent,
+        ent if g_ent is not None else None, a.ignore_index, a.softcap, a.label_smoothing, a.z_loss,
+        a.filter_eps, need_de, need_dc, need_db, a.chunk_bytes, a.temperature,
     )  # fmt: skip
     return (
         dE.to(e_dtype) if need_de else None,

@@ -1,0 +1,76 @@
+"""What a loss call returns when it asks for per-token outputs besides the loss.
+
+Every implementation reduces a token's logits to per-row statistics (cce/_math.py): lse, the
+target logit and, where asked for, the entropy of the softmax and the argmax. The outputs are
+functions of those, assembled here in O(N) with the conventions of :class:`LossOutputs`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .options import CCEOptions
+
+
+class LossOutputs(NamedTuple):
+    """The loss first, then the per-token outputs that were asked for (None otherwise).
+
+    All are of the logits ``softcap(e @ c.T + bias) / temperature`` and shaped like the targets
+    (``targets[..., 1:]`` with ``shift``), except the scalar ``accuracy``. At ignored tokens the
+    log-probability, lse and entropy are 0 and the argmax is -1.
+
+    Attributes:
+        loss: as without these outputs (a scalar, or per token for ``reduction="none"``).
+        lse: ``logsumexp`` of the logits (``return_lse``), differentiable.
+        logprobs: the target token's log-probability, ``log_softmax(logits)[target]``
+            (``return_logprobs``), differentiable; independent of label smoothing, class weights
+            and z-loss.
+        entropy: ``-(p * log p).sum(-1)`` of ``p = softmax(logits)`` (``return_entropy``),
+            differentiable.
+        argmax: the id of the largest logit, the smallest id among ties, as ``torch.argmax``
+            (``return_argmax``), int64.
+        accuracy: the share of non-ignored tokens whose argmax is the target, a float32 scalar
+            (``return_accuracy``; 0 when every token is ignored), not differentiable.
+    """
+
+    loss: torch.Tensor
+    lse: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    accuracy: torch.Tensor | None = None
+
+
+def assemble(
+    opts: CCEOptions,
+    loss: torch.Tensor,
+    lse: torch.Tensor,
+    tgt: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    argmax: torch.Tensor | None,
+    targets: torch.Tensor,
+    out_shape: torch.Size,
+):
+    """The call's result from flat per-row tensors ([N]: lse and tgt fp32, 0 at ignored rows;
+    entropy fp32, 0 at ignored rows; argmax int64): the loss alone, ``(loss, lse)`` with
+    ``return_lse`` only, else a :class:`LossOutputs`."""
+    if not opts.token_outputs:
+        return (loss, lse.reshape(out_shape)) if opts.return_lse else loss
+    valid = targets != opts.ignore_index
+    out = {"loss": loss}
+    if opts.return_lse:
+        out["lse"] = lse.reshape(out_shape)
+    if opts.return_logprobs:
+        out["logprobs"] = torch.where(valid, tgt - lse, 0.0).reshape(out_shape)
+    if opts.return_entropy:
+        out["entropy"] = entropy.reshape(out_shape)
+    if argmax is not None:
+        amax = torch.where(valid, argmax, -1)
+        if opts.return_argmax:
+            out["argmax"] = amax.reshape(out_shape)
+        if opts.return_accuracy:
+            hits = (valid & (amax == targets)).sum().float()
+            out["accuracy"] = hits / valid.sum().clamp(min=1).float()
+    return LossOutputs(**out)

@@ -1,0 +1,270 @@
+"""Per-token outputs (cce.LossOutputs) and the temperature, impl="torch", against the fp64 oracle.
+
+The oracle (cce.reference) materializes ``softcap(e @ c.T + bias) / temperature`` in fp64 and
+takes the log-probabilities, entropy and argmax from it with plain torch ops; the gradients come
+from autograd through it under the same random upstream gradients on every differentiable output.
+
+Tolerances, derived (not tuned). Inputs are fp64, so the implementation's logits and sums are fp64
+too; its error is the fp32 rounding of what the contract keeps in fp32 (unit roundoff u = 2^-24):
+
+* outputs: lse, the target logit and E_p[z] are fp64 sums rounded once to fp32; log-prob, entropy
+  and the loss subtract or combine two or three of them (one rounding each). Each such value
+  has magnitude at most M_i = |lse_i| + max_v |z_iv| (+ the z-loss term z lse^2 and smoothing's
+  W lse / V for the loss), so |error| <= 8 u M_i: four roundings, and a factor 2 to spare.
+* gradients: dZ_iv = alpha_i p_iv - beta_i [v = t_i] - gamma_i w_v + eta_i p_iv z_iv (cce/_math.py)
+  with fp32 coefficients, each formed by at most 8 roundings (so relative error <= 8 u against
+  the sum of the magnitudes of its terms, A_i) from fp32-rounded statistics. Per row,
+  sum_v |dZ err_iv| <= 8 u A_i (sum_v p_iv (1 + |z_iv|) + 1 + ls) <= 8 u A_i (3 + max_v |z_iv|)
+  (ls <= 1), and softcap' <= 1, so ||dE err|| <= 8 u ||A (3 + max|z|)|| max_v ||c_v|| and
+  ||dC err|| <= 8 u sum_i A_i (3 + max|z_i|) ||e_i||; dbias like dC with ||e_i|| = 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cce
+from cce.outputs import LossOutputs
+from cce.reference import linear_cross_entropy_reference
+
+U32 = 2.0**-24
+OUTPUTS = ("lse", "logprobs", "entropy")  # the differentiable per-token outputs
+
+
+def _all_outputs(**kw):
+    return dict(return_lse=True, return_logprobs=True, return_entropy=True, return_argmax=True,
+                return_accuracy=True, **kw)  # fmt: skip
+
+
+def _run(fn, e, c, t, b, seed, **opts):
+    """fn's outputs, and its gradients w.r.t. (e, c, b) under seeded N(0, 1) upstream gradients on
+    the loss and on every differentiable per-token output it returns."""
+    leaves = [x for x in (e, c, b) if x is not None]
+    out = fn(e, c, t, b, **opts)
+    gen = torch.Generator().manual_seed(seed)
+    ups = {}
+    total = 0.0
+    for name in ("loss", *OUTPUTS):
+        x = getattr(out, name)
+        if x is None:
+            continue
+        ups[name] = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+        total = total + (x.double() * ups[name]).sum()
+    grads = torch.autograd.grad(total, leaves)
+    return out, grads, ups
+
+
+def _cce(e, c, t, b, **opts):
+    return cce.linear_cross_entropy(e, c, t, b, impl="torch", filter_eps=None, **opts)
+
+
+def _oracle(e, c, t, b, **opts):
+    return linear_cross_entropy_reference(e, c, t, b, dtype=torch.float64, **opts)
+
+
+def _bounds(e, c, t, b, out, ups, *, softcap=None, temperature=1.0, shift=False, ignore_index=-100,
+            reduction="mean", label_smoothing=0.0, z_loss=0.0, **_):  # fmt: skip
+    """(per-token output bound [rows], gradient bounds {dE, dC, dbias}) of the module docstring,
+    from the oracle's fp64 values ``out`` and the upstream gradients ``ups``."""
+    z = e.detach() @ c.detach().T + (0.0 if b is None else b.detach())
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    if shift:
+        z, t = z[..., :-1, :], t[..., 1:]
+    z, t = z.reshape(-1, z.shape[-1]), t.reshape(-1)
+    valid = t != ignore_index
+    zmax = z.abs().amax(1)
+    lse = torch.logsumexp(z, 1).abs()
+    M = lse + zmax + z_loss * lse * lse + label_smoothing * lse
+    n = valid.sum().clamp(min=1)
+    g_loss = ups["loss"].reshape(-1).abs() if reduction == "none" else ups["loss"].abs().expand(len(t))
+    g_loss = g_loss / n if reduction == "mean" else g_loss
+
+    def up(name):
+        return torch.zeros_like(lse) if name not in ups else ups[name].reshape(-1).abs()
+
+    ent = out.entropy.detach().reshape(-1).abs()
+    A = g_loss * (1 + 2 * z_loss * lse) + up("lse") + up("logprobs") * 2 + up("entropy") * (lse + ent + zmax)
+    A = torch.where(valid, A, 0.0) / temperature
+    row = 8 * U32 * A * (3 + zmax)
+    # e's rows as the problem reads them (shifted); dE's rows are disjoint, dC and dbias sum them
+    e_rows = e.detach()[..., :-1, :] if shift else e.detach()
+    e_norm = e_rows.reshape(-1, e.shape[-1]).norm(dim=1)
+    grads = {
+        "e": float(row.norm() * c.detach().norm(dim=1).max()),
+        "c": float((row * e_norm).sum()),
+        "bias": float(row.sum()),
+    }
+    return 8 * U32 * M, grads
+
+
+@st.composite
+def problems(draw):
+    lead = tuple(draw(st.integers(1, 4)) for _ in range(draw(st.integers(1, 2))))
+    D, V = draw(st.integers(1, 24)), draw(st.integers(1, 90))
+    opts = dict(
+        temperature=draw(st.sampled_from([0.3, 0.7, 1.0, 1.6, 4.0])),
+        softcap=draw(st.sampled_from([None, 2.0, 30.0])),
+        shift=draw(st.booleans()) and lead[-1] >= 2,
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.1])),
+        z_loss=draw(st.sampled_from([0.0, 1e-3])),
+    )
+    with_bias = draw(st.booleans())
+    ignore = draw(st.sampled_from([0.0, 0.3, 1.0]))
+    seed = draw(st.integers(0, 2**16))
+    return lead, D, V, opts, with_bias, ignore, seed
+
+
+def _inputs(lead, D, V, with_bias, ignore, seed, scale=2.0):
+    gen = torch.Generator().manual_seed(seed)
+    e = (torch.randn(*lead, D, generator=gen, dtype=torch.float64) * scale / math.sqrt(D)).requires_grad_()
+    c = torch.randn(V, D, generator=gen, dtype=torch.float64).requires_grad_()
+    b = torch.randn(V, generator=gen, dtype=torch.float64).requires_grad_() if with_bias else None
+    t = torch.randint(0, V, lead, generator=gen)
+    t[torch.rand(lead, generator=gen) < ignore] = -100
+    return e, c, t, b
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_outputs_and_gradients_against_oracle(problem):
+    """Every output and the gradients through all of them equal the fp64 oracle within the
+    module docstring's bounds, over temperature, softcap, shift, reduction, smoothing, z-loss,
+    bias and ignored tokens; argmax and accuracy exactly."""
+    lead, D, V, opts, with_bias, ignore, seed = problem
+    e, c, t, b = _inputs(lead, D, V, with_bias, ignore, seed)
+    kw = _all_outputs(**opts)
+    got, ggot, ups = _run(_cce, e, c, t, b, seed, **kw)
+    ref, gref, _ = _run(_oracle, e, c, t, b, seed, **kw)
+    assert isinstance(got, LossOutputs)
+    out_bound, grad_bound = _bounds(e, c, t, b, ref, ups, **opts)
+    for name in ("lse", "logprobs", "entropy"):
+        x, y = getattr(got, name), getattr(ref, name)
+        assert x.dtype == torch.float32 and x.shape == y.shape, name
+        assert bool(((x.double() - y).abs().reshape(-1) <= out_bound).all()), name
+    loss_err = (got.loss.double() - ref.loss).abs()
+    loss_bound = out_bound if opts["reduction"] == "none" else out_bound.sum()
+    assert bool((loss_err.reshape(-1) <= loss_bound).all())
+    assert got.argmax.dtype == torch.int64 and torch.equal(got.argmax, ref.argmax)
+    assert got.accuracy.shape == () and float(got.accuracy) == float(ref.accuracy)
+    for name, g, r in zip(("e", "c", "bias"), ggot, gref, strict=False):
+        assert float((g - r).norm()) <= grad_bound[name] + 1e-300, name
+
+
+def test_argmax_ties_take_the_smallest_id():
+    """Tied largest logits (duplicated classifier rows): the smallest id, as torch.argmax."""
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(6, 8, generator=gen)
+    c = torch.randn(10, 8, generator=gen)
+    c[7] = c[2]  # classes 2 and 7 always tie
+    c[2] *= 10.0
+    c[7] = c[2]
+    t = torch.arange(6)
+    out = cce.linear_cross_entropy(e.abs(), c.abs(), t, impl="torch", return_argmax=True)
+    want = (e.abs() @ c.abs().T).argmax(1)
+    assert torch.equal(out.argmax, want) and bool((out.argmax == 2).all())
+
+
+def test_ignored_tokens_and_all_ignored_batch():
+    """Ignored tokens: log-prob, lse and entropy 0, argmax -1; an all-ignored batch has loss 0,
+    accuracy 0 and zero gradients through every output."""
+    e = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    c = torch.randn(30, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.full((2, 5), -100)
+    t[0, 1] = 3
+    out = cce.linear_cross_entropy(e, c, t, impl="torch", **_all_outputs())
+    ign = t == -100
+    for name in ("lse", "logprobs", "entropy"):
+        assert bool((getattr(out, name)[ign] == 0).all()), name
+    assert bool((out.argmax[ign] == -1).all()) and out.argmax[0, 1] >= 0
+    t[0, 1] = -100
+    out = cce.linear_cross_entropy(e, c, t, impl="torch", **_all_outputs())
+    assert float(out.loss) == 0.0 and float(out.accuracy) == 0.0
+    total = out.loss + out.logprobs.sum() + out.entropy.sum() + out.lse.sum()
+    ge, gc = torch.autograd.grad(total, (e, c))
+    assert not ge.any() and not gc.any()
+
+
+def test_accuracy_with_ignore_index_minus_one():
+    """ignore_index = -1 equals the argmax of ignored tokens (-1): they still do not count."""
+    e = torch.randn(4, 6, dtype=torch.float64)
+    c = torch.randn(5, 6, dtype=torch.float64)
+    t = (e @ c.T).argmax(1)
+    t[1] = -1
+    out = cce.linear_cross_entropy(e, c, t, impl="torch", ignore_index=-1, return_accuracy=True)
+    assert float(out.accuracy) == 1.0
+
+
+def test_return_types():
+    """Without per-token outputs: the loss, or (loss, lse) with return_lse, as before. With any:
+    a LossOutputs, loss first (tuple unpacking), None for what was not asked for."""
+    e, c, t = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
+    assert isinstance(cce.linear_cross_entropy(e, c, t, impl="torch"), torch.Tensor)
+    pair = cce.linear_cross_entropy(e, c, t, impl="torch", return_lse=True)
+    assert type(pair) is tuple and len(pair) == 2
+    out = cce.linear_cross_entropy(e, c, t, impl="torch", return_entropy=True)
+    loss, *rest = out
+    assert loss is out.loss and out.lse is None and out.logprobs is None and out.argmax is None
+    assert out.entropy.shape == t.shape and len(rest) == 5
+    mod = cce.LinearCrossEntropy(impl="torch", temperature=0.5, return_logprobs=True, reduction="none")
+    got = mod(e, c, t)
+    want = torch.log_softmax((e @ c.T) / 0.5, 1).gather(1, t[:, None]).squeeze(1)
+    torch.testing.assert_close(got.logprobs, want)
+    torch.testing.assert_close(got.loss, -want)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_temperature_names_the_argument(bad):
+    e, c, t = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="temperature"):
+        cce.linear_cross_entropy(e, c, t, temperature=bad)
+
+
+@pytest.mark.parametrize("name", ["temperature", "return_entropy", "return_argmax"])
+def test_wrong_types_name_the_argument(name):
+    e, c, t = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
+    with pytest.raises(TypeError, match=name):
+        cce.linear_cross_entropy(e, c, t, **{name: True if name == "temperature" else 1})
+
+
+def test_triton_and_vocab_parallel_not_yet(monkeypatch):
+    """impl="triton" named explicitly with a per-token output or a temperature says it is not
+    supported yet; "auto" runs impl="torch" for them; vocabulary parallelism refuses them."""
+    import cce.ops.linear_ce.api as api
+
+    e, c, t = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
+    monkeypatch.setattr(api, "select_impl", lambda impl, device: "triton")
+    with pytest.raises(NotImplementedError, match="impl='triton'"):
+        cce.linear_cross_entropy(e, c, t, impl="triton", temperature=2.0)
+    out = cce.linear_cross_entropy(e, c, t, return_entropy=True)  # auto: the torch implementation
+    want = linear_cross_entropy_reference(e, c, t, return_entropy=True)
+    torch.testing.assert_close(out.entropy, want.entropy)
+    with pytest.raises(NotImplementedError, match="vocabulary parallelism"):
+        cce.linear_cross_entropy(e, c, t, return_argmax=True, process_group=object())
+
+
+def test_compiles_fullgraph():
+    """torch.compile(fullgraph=True) traces a call with every output (the ops are opaque)."""
+    e = torch.randn(5, 8, requires_grad=True)
+    c = torch.randn(11, 8, requires_grad=True)
+    t = torch.tensor([1, 2, -100, 4, 5])
+
+    def f(e, c, t):
+        out = cce.linear_cross_entropy(e, c, t, impl="torch", temperature=0.8, **_all_outputs())
+        return out.loss - 0.01 * out.entropy.mean() + out.logprobs.sum(), out.argmax, out.accuracy
+
+    got = torch.compile(f, fullgraph=True)(e, c, t)
+    want = f(e, c, t)
+    for x, y in zip(got, want, strict=True):
+        torch.testing.assert_close(x, y)
+    g1 = torch.autograd.grad(got[0], (e, c))
+    g2 = torch.autograd.grad(want[0], (e, c))
+    for x, y in zip(g1, g2, strict=True):
+        torch.testing.assert_close(x, y)
