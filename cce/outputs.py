@@ -7,6 +7,7 @@ functions of those, assembled here in O(N) with the conventions of :class:`LossO
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -51,25 +52,26 @@ def assemble(
     entropy: torch.Tensor | None,
     argmax: torch.Tensor | None,
     targets: torch.Tensor,
-    out_shape: torch.Size,
+    per_token: Callable[[torch.Tensor], torch.Tensor],
 ):
-    """The call's result from flat per-row tensors ([N]: lse and tgt fp32, 0 at ignored rows;
-    entropy fp32, 0 at ignored rows; argmax int64): the loss alone, ``(loss, lse)`` with
-    ``return_lse`` only, else a :class:`LossOutputs`."""
+    """The call's result from flat per-row tensors over the problem's rows ([N]: lse and tgt fp32,
+    0 at ignored rows; entropy fp32, 0 at ignored rows; argmax int64; ``targets`` the rows'
+    targets): the loss alone, ``(loss, lse)`` with ``return_lse`` only, else a
+    :class:`LossOutputs`. ``per_token`` shapes a flat [N] tensor as the per-token outputs."""
     if not opts.token_outputs:
-        return (loss, lse.reshape(out_shape)) if opts.return_lse else loss
+        return (loss, per_token(lse)) if opts.return_lse else loss
     valid = targets != opts.ignore_index
     out = {"loss": loss}
     if opts.return_lse:
-        out["lse"] = lse.reshape(out_shape)
+        out["lse"] = per_token(lse)
     if opts.return_logprobs:
-        out["logprobs"] = torch.where(valid, tgt - lse, 0.0).reshape(out_shape)
+        out["logprobs"] = per_token(torch.where(valid, tgt - lse, 0.0))
     if opts.return_entropy:
-        out["entropy"] = entropy.reshape(out_shape)
+        out["entropy"] = per_token(entropy)
     if argmax is not None:
         amax = torch.where(valid, argmax, -1)
         if opts.return_argmax:
-            out["argmax"] = amax.reshape(out_shape)
+            out["argmax"] = per_token(amax)
         if opts.return_accuracy:
             hits = (valid & (amax == targets)).sum().float()
             out["accuracy"] = hits / valid.sum().clamp(min=1).float()

@@ -13,6 +13,7 @@ from torch import nn
 from ..._dispatch import select_impl
 from ..._validation import check_logits_inputs
 from ...options import CCEOptions
+from ...outputs import assemble
 
 
 def _check_inplace(logits: torch.Tensor, inplace_backward: bool) -> None:
@@ -47,6 +48,15 @@ def _flat_targets(targets: torch.Tensor, opts: CCEOptions) -> torch.Tensor:
 
 def _resolve_impl(opts: CCEOptions, logits: torch.Tensor) -> str:
     impl = select_impl(opts.impl, logits.device)
+    if impl == "triton" and (opts.temperature != 1.0 or opts.token_outputs):
+        # The Triton row kernels do not take a temperature nor form these outputs yet (issue 18):
+        # "auto" runs the PyTorch row passes (chunked, on the same device) for such calls.
+        if opts.impl == "triton":
+            raise NotImplementedError(
+                "impl='triton' does not yet support temperature != 1 or the per-token outputs "
+                "(log-probs, entropy, argmax, accuracy); use impl='torch' or impl='auto'"
+            )
+        return "torch"
     if impl == "triton" and logits.dtype == torch.float64:
         if opts.impl == "triton":
             raise TypeError(
@@ -72,12 +82,16 @@ def cross_entropy_with_options(
     # Reduced loss without lse output: the backward's row coefficients are a fixed vector times the
     # upstream scalar, so they are computed in the forward (see autograd.py).
     precompute = (
-        opts.reduction != "none" and not opts.return_lse and logits.requires_grad and torch.is_grad_enabled()
+        opts.reduction != "none"
+        and not opts.differentiable_outputs
+        and logits.requires_grad
+        and torch.is_grad_enabled()
     )
+    want_argmax = opts.return_argmax or opts.return_accuracy
     args = (
         logits, t, weight, opts.ignore_index, opts.reduction, opts.softcap_value,
         float(opts.label_smoothing), float(opts.z_loss), inplace_backward, precompute,
-        opts.resolved_tuning.chunk_bytes,
+        opts.resolved_tuning.chunk_bytes, float(opts.temperature), opts.return_entropy, want_argmax,
     )  # fmt: skip
     if impl == "torch":
         from .torch_impl import ce_torch_fwd as fwd
@@ -85,7 +99,7 @@ def cross_entropy_with_options(
         from .triton_impl import ce_triton_fwd as fwd
     # The loss is computed in fp32 from the logits as given; autocast must not re-cast inside.
     with torch.autocast(logits.device.type, enabled=False):
-        loss, lse, *_ = fwd(*args)
+        loss, lse, tgt_logit, entropy, argmax, *_ = fwd(*args)
 
     def per_token(x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(targets.shape)
@@ -93,9 +107,9 @@ def cross_entropy_with_options(
 
     if opts.reduction == "none":
         loss = per_token(loss)
-    if opts.return_lse:
-        return loss, per_token(lse)
-    return loss
+    entropy = entropy if opts.return_entropy else None  # (empty when not asked for)
+    argmax = argmax if want_argmax else None
+    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, t, per_token)
 
 
 def cross_entropy(
@@ -112,6 +126,11 @@ def cross_entropy(
     inplace_backward: bool = False,
     impl: str = "auto",
     return_lse: bool = False,
+    temperature: float = 1.0,
+    return_logprobs: bool = False,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+    return_accuracy: bool = False,
 ):
     """Fused cross entropy over existing logits ``(..., V)`` (class dim LAST, the LLM convention).
 
@@ -119,6 +138,7 @@ def cross_entropy(
 
         L = logits.float()
         if softcap: L = softcap * torch.tanh(L / softcap)
+        L = L / temperature
         if shift: L, targets = L[..., :-1, :], targets[..., 1:]
         loss = F.cross_entropy(L.flatten(0, -2), targets.flatten(), weight=weight,
                                ignore_index=ignore_index, reduction=reduction,
@@ -151,16 +171,22 @@ def cross_entropy(
             the functionalized graph may still allocate a copy.
         impl: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"triton"`` or ``"torch"``.
         return_lse: also return the (differentiable) log-sum-exp per token, 0 at ignored tokens.
+        temperature, return_logprobs, return_entropy, return_argmax, return_accuracy: as in
+            :func:`cce.linear_cross_entropy` (a :class:`cce.LossOutputs` is returned with any of
+            the four outputs; for now they and a temperature other than 1 run ``impl="torch"``).
 
     Returns:
         The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``
         with ``shift``) for ``reduction="none"``, 0 at ignored positions. With ``return_lse``,
-        ``(loss, lse)``. A "mean" over an all-ignored batch is 0.0 with zero gradients (not NaN).
-        The gradient comes back in the logits' dtype.
+        ``(loss, lse)``; with a per-token output, a :class:`cce.LossOutputs`. A "mean" over an
+        all-ignored batch is 0.0 with zero gradients (not NaN). The gradient comes back in the
+        logits' dtype.
     """
     opts = CCEOptions(
         ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap,
         label_smoothing=label_smoothing, z_loss=z_loss, impl=impl, return_lse=return_lse,
+        temperature=temperature, return_logprobs=return_logprobs, return_entropy=return_entropy,
+        return_argmax=return_argmax, return_accuracy=return_accuracy,
     )  # fmt: skip
     return cross_entropy_with_options(logits, targets, weight, opts, inplace_backward)
 
@@ -187,11 +213,18 @@ class CrossEntropyLoss(nn.Module):
         inplace_backward: bool = False,
         impl: str = "auto",
         return_lse: bool = False,
+        temperature: float = 1.0,
+        return_logprobs: bool = False,
+        return_entropy: bool = False,
+        return_argmax: bool = False,
+        return_accuracy: bool = False,
     ) -> None:
         super().__init__()
         self.options = CCEOptions(
             ignore_index=ignore_index, reduction=reduction, shift=shift, softcap=softcap,
             label_smoothing=label_smoothing, z_loss=z_loss, impl=impl, return_lse=return_lse,
+            temperature=temperature, return_logprobs=return_logprobs, return_entropy=return_entropy,
+            return_argmax=return_argmax, return_accuracy=return_accuracy,
         )  # fmt: skip
         if not isinstance(inplace_backward, bool):
             raise TypeError(f"inplace_backward must be a bool, got {inplace_backward!r}")
@@ -230,9 +263,15 @@ class CausalLMLoss(CrossEntropyLoss):
         inplace_backward: bool = False,
         impl: str = "auto",
         return_lse: bool = False,
+        temperature: float = 1.0,
+        return_logprobs: bool = False,
+        return_entropy: bool = False,
+        return_argmax: bool = False,
+        return_accuracy: bool = False,
     ) -> None:
         super().__init__(
             weight, ignore_index=ignore_index, reduction=reduction, shift=True, softcap=softcap,
             label_smoothing=label_smoothing, z_loss=z_loss, inplace_backward=inplace_backward,
-            impl=impl, return_lse=return_lse,
+            impl=impl, return_lse=return_lse, temperature=temperature, return_logprobs=return_logprobs,
+            return_entropy=return_entropy, return_argmax=return_argmax, return_accuracy=return_accuracy,
         )  # fmt: skip

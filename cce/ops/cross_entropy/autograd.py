@@ -33,6 +33,9 @@ class FwdArgs(NamedTuple):
     inplace: bool  # the backward writes the gradient into the logits
     precompute: bool  # the row coefficients for a unit upstream gradient, in the forward
     chunk_bytes: int | None  # impl="torch": bytes of chunk temporaries (None: its default)
+    temperature: float  # the logits are softcap(logits) / temperature (impl="torch" only, for now)
+    want_entropy: bool  # the per-row entropy of the softmax, an output (impl="torch" only)
+    want_argmax: bool  # the per-row argmax, an output (impl="torch" only)
 
 
 class BwdArgs(NamedTuple):
@@ -48,6 +51,8 @@ class BwdArgs(NamedTuple):
     softcap: float
     smoothing: bool
     chunk_bytes: int | None
+    eta: torch.Tensor | None  # [N] fp32 coefficient of the entropy's term p z (impl="torch" only)
+    temperature: float
 
 
 def _row_consts(targets, weight, ignore_index, V, label_smoothing, z_loss):
@@ -58,8 +63,9 @@ def _row_consts(targets, weight, ignore_index, V, label_smoothing, z_loss):
     return valid, w_t, W, k
 
 
-def _finish_forward(a: FwdArgs, lse, tgt, ssum):
-    """(loss, lse, alpha, beta, gamma) in fp32 from the per-row statistics; lse is 0 at ignored rows.
+def _finish_forward(a: FwdArgs, lse, tgt, ssum, entropy, argmax):
+    """(loss, lse, tgt, entropy, argmax, alpha, beta, gamma) in fp32 (argmax int64) from the per-row
+    statistics; lse, tgt and entropy are 0 at ignored rows, entropy and argmax empty unless asked for.
 
     With ``precompute`` (reduction "mean" / "sum", no lse output), the row coefficients for a unit
     upstream gradient are computed here, while the forward kernel still runs on the device: the
@@ -69,34 +75,41 @@ def _finish_forward(a: FwdArgs, lse, tgt, ssum):
     V = a.logits.shape[-1]
     valid, w_t, W, k = _row_consts(a.targets, a.weight, a.ignore_index, V, a.label_smoothing, a.z_loss)
     lse = torch.where(valid, lse.float(), 0.0)
-    tok = _math.token_loss(lse, tgt.float(), None if ssum is None else ssum.float(), w_t, W, valid, k)
+    tgt = torch.where(valid, tgt.float(), 0.0)
+    tok = _math.token_loss(lse, tgt, None if ssum is None else ssum.float(), w_t, W, valid, k)
     loss = _math.reduce_loss(tok, w_t, a.reduction)
+    entropy = lse.new_empty(0) if entropy is None else torch.where(valid, entropy.float(), 0.0)
+    argmax = a.targets.new_empty(0) if argmax is None else argmax
     if a.precompute:
         ones = torch.ones((), dtype=torch.float32, device=lse.device)
         g = _math.row_upstream(ones, w_t, a.reduction, a.targets.numel())
-        alpha, beta, gamma = _math.coefficients(g, None, lse, w_t, W, valid, k)
+        alpha, beta, gamma = (x / a.temperature for x in _math.coefficients(g, None, lse, w_t, W, valid, k))
     else:
         alpha, beta, gamma = (lse.new_empty(0) for _ in range(3))  # distinct: outputs may not alias
-    return loss, lse, alpha, beta, gamma
+    return loss, lse, tgt, entropy, argmax, alpha, beta, gamma
 
 
 def _fake_forward(a: FwdArgs):
     N = a.targets.shape[0]
     loss = a.logits.new_empty((N,) if a.reduction == "none" else (), dtype=torch.float32)
     coef = [a.logits.new_empty((N,) if a.precompute else (0,), dtype=torch.float32) for _ in range(3)]
-    return (loss, a.logits.new_empty((N,), dtype=torch.float32), *coef)
+    stats = [a.logits.new_empty((N,), dtype=torch.float32) for _ in range(2)]
+    entropy = a.logits.new_empty((N,) if a.want_entropy else (0,), dtype=torch.float32)
+    argmax = a.targets.new_empty((N,) if a.want_argmax else (0,), dtype=torch.int64)
+    return (loss, *stats, entropy, argmax, *coef)
 
 
 def define_ce_ops(name: str, stats: Callable, grad: Callable):
     """The custom ops ``cce::ce_{name}_fwd``, ``_bwd`` and ``_bwd_`` (in place) with autograd.
 
-    ``stats(a: FwdArgs) -> (lse, tgt, ssum or None)`` per row; ``grad(a: BwdArgs, inplace)``
-    returns dloss/dlogits in the logits' dtype, written into ``a.logits`` when ``inplace``.
-    Returns the forward op: ``(loss, lse, alpha, beta, gamma)``.
+    ``stats(a: FwdArgs) -> (lse, tgt, ssum, entropy, argmax)`` per row (None where not computed);
+    ``grad(a: BwdArgs, inplace)`` returns dloss/dlogits in the logits' dtype, written into
+    ``a.logits`` when ``inplace``. Returns the forward op:
+    ``(loss, lse, tgt, entropy, argmax, alpha, beta, gamma)``.
     """
-    out5 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    out8 = tuple[(torch.Tensor,) * 8]
 
-    @define_op(f"cce::ce_{name}_fwd", FwdArgs, out5)
+    @define_op(f"cce::ce_{name}_fwd", FwdArgs, out8)
     def fwd(a: FwdArgs):
         return _finish_forward(a, *stats(a))
 
@@ -113,19 +126,23 @@ def define_ce_ops(name: str, stats: Callable, grad: Callable):
         grad(a, True)
 
     def setup_context(ctx, a: FwdArgs, output):
-        _, lse, alpha, beta, gamma = output
-        ctx.mark_non_differentiable(alpha, beta, gamma)
+        _, lse, _tgt, entropy, argmax, alpha, beta, gamma = output
+        ctx.mark_non_differentiable(argmax, alpha, beta, gamma)
+        # Outputs nobody used (tgt, entropy, lse) get None, not zero-filled gradients.
+        ctx.set_materialize_grads(False)
         ctx.args = a._replace(logits=None, targets=None, weight=None)
         ctx.V = a.logits.shape[-1]
-        ctx.save_for_backward(a.logits, a.targets, a.weight, lse, alpha, beta, gamma)
+        ctx.save_for_backward(a.logits, a.targets, a.weight, lse, entropy, alpha, beta, gamma)
 
-    def backward(ctx, g_loss, g_lse, _ga, _gb, _gc):
+    def backward(ctx, g_loss, g_lse, g_tgt, g_ent, _g_amax, _ga, _gb, _gc):
         a: FwdArgs = ctx.args
-        logits, targets, weight, lse, alpha, beta, gamma = ctx.saved_tensors
+        logits, targets, weight, lse, entropy, alpha, beta, gamma = ctx.saved_tensors
         none = (None,) * len(FwdArgs._fields)
         if not ctx.needs_input_grad[0]:
             return none
+        eta = None
         if a.precompute:  # unit-upstream coefficients from the forward, scaled in the kernel
+            # (precompute is off whenever an output other than the loss can carry a gradient)
             if g_loss is None:
                 return none
             scale = g_loss.float()
@@ -140,11 +157,17 @@ def define_ce_ops(name: str, stats: Callable, grad: Callable):
             else:
                 g = _math.row_upstream(g_loss, w_t, a.reduction, N)
             alpha, beta, gamma = _math.coefficients(g, g_lse, lse, w_t, W, valid, k)
+            if g_tgt is not None or g_ent is not None:
+                ent = entropy if g_ent is not None else None
+                alpha, beta, eta = _math.output_coefficients(alpha, beta, g_tgt, g_ent, lse, ent, valid)
+            if a.temperature != 1.0:  # the chain rule's 1 / temperature
+                alpha, beta, gamma = (x / a.temperature for x in (alpha, beta, gamma))
+                eta = None if eta is None else eta / a.temperature
             scale = None
             smoothing = k.smoothing
         args = (
             logits, targets, weight, lse, alpha, beta, gamma, scale, a.ignore_index, a.softcap, smoothing,
-            a.chunk_bytes,
+            a.chunk_bytes, eta, a.temperature,
         )  # fmt: skip
         if a.inplace:
             bwd_inplace(*args)

@@ -27,16 +27,18 @@ def _chunk_rows(V: int, acc: torch.dtype, temporaries: int, chunk_bytes: int | N
     return max(1, budget // max(per_row, 1))
 
 
-def _softcapped(x: torch.Tensor, softcap: float):
-    """(L, th) with L = softcap * tanh(x / softcap), th = tanh(x / softcap) (None without softcap)."""
+def _softcapped(x: torch.Tensor, softcap: float, temperature: float = 1.0):
+    """(L, th) with L = softcap * tanh(x / softcap) / temperature, th = tanh(x / softcap) (None
+    without softcap)."""
     if softcap > 0:
         th = torch.tanh(x / softcap)
-        return th * softcap, th
-    return x, None
+        return th * (softcap / temperature), th
+    return (x if temperature == 1.0 else x / temperature), None
 
 
 def torch_stats(a: FwdArgs):
-    """Per-row (lse, tgt, ssum or None) in the accumulation dtype, chunk by chunk."""
+    """Per-row (lse, tgt, ssum, entropy, argmax) in the accumulation dtype, chunk by chunk (ssum
+    None without smoothing, entropy and argmax None unless asked for)."""
     logits, targets, weight, ignore_index, softcap = a.logits, a.targets, a.weight, a.ignore_index, a.softcap
     smoothing = a.label_smoothing > 0
     V = logits.shape[-1]
@@ -47,17 +49,23 @@ def torch_stats(a: FwdArgs):
     lse = torch.zeros(N, dtype=acc, device=dev)
     tgt = torch.zeros(N, dtype=acc, device=dev)
     ssum = torch.zeros(N, dtype=acc, device=dev) if smoothing else None
+    entropy = torch.zeros(N, dtype=acc, device=dev) if a.want_entropy else None
+    argmax = torch.zeros(N, dtype=torch.int64, device=dev) if a.want_argmax else None
     safe_t = torch.where(targets != ignore_index, targets, torch.zeros_like(targets))
     w = None if weight is None else weight.to(acc)
-    step = _chunk_rows(V, acc, 3 if softcap > 0 else 2, a.chunk_bytes)
+    step = _chunk_rows(V, acc, 2 + (softcap > 0) + a.want_entropy, a.chunk_bytes)
     for s in range(0, N, step):
         e = min(s + step, N)
-        L, _ = _softcapped(x2[s:e].to(acc), softcap)
+        L, _ = _softcapped(x2[s:e].to(acc), softcap, a.temperature)
         tgt[s:e] = L.gather(1, safe_t[s:e, None]).squeeze(1)
         if smoothing:
             ssum[s:e] = L.sum(1) if w is None else L @ w
         lse[s:e] = torch.logsumexp(L, dim=1)
-    return lse, tgt, ssum
+        if entropy is not None:  # lse - E_p[L]
+            entropy[s:e] = lse[s:e] - torch.softmax(L, 1).mul_(L).sum(1)
+        if argmax is not None:
+            argmax[s:e] = L.argmax(1)
+    return lse, tgt, ssum, entropy, argmax
 
 
 def torch_grad(a: BwdArgs, inplace: bool) -> torch.Tensor:
@@ -87,8 +95,12 @@ def torch_grad(a: BwdArgs, inplace: bool) -> torch.Tensor:
     step = _chunk_rows(V, acc, 3 if softcap > 0 else 2, a.chunk_bytes)
     for s in range(0, N, step):
         e = min(s + step, N)
-        L, th = _softcapped(x2[s:e].to(acc, copy=True), softcap)  # a copy: d is built in place
-        d = L.sub_(lse[s:e, None].to(acc)).exp_().mul_(alpha[s:e, None].to(acc))  # alpha p
+        L, th = _softcapped(x2[s:e].to(acc, copy=True), softcap, a.temperature)  # d is built in place
+        if a.eta is None:
+            d = L.sub_(lse[s:e, None].to(acc)).exp_().mul_(alpha[s:e, None].to(acc))  # alpha p
+        else:  # p (alpha + eta L): the entropy's term (cce/_math.py)
+            p = (L - lse[s:e, None].to(acc)).exp_()
+            d = L.mul_(a.eta[s:e, None].to(acc)).add_(alpha[s:e, None].to(acc)).mul_(p)
         d.scatter_add_(1, safe_t[s:e, None], -beta[s:e, None].to(acc))
         if smoothing:
             d.addr_(gamma[s:e].to(acc), w, alpha=-1.0)

@@ -93,7 +93,7 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
         tgt_logit = entropy = argmax = None
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
-    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, out_shape)
+    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape))
 
 
 def linear_cross_entropy(

@@ -1,4 +1,5 @@
-"""Per-token outputs (cce.LossOutputs) and the temperature, impl="torch", against the fp64 oracle.
+"""Per-token outputs (cce.LossOutputs) and the temperature, impl="torch", linear and logits level,
+against the fp64 oracle.
 
 The oracle (cce.reference) materializes ``softcap(e @ c.T + bias) / temperature`` in fp64 and
 takes the log-probabilities, entropy and argmax from it with plain torch ops; the gradients come
@@ -29,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cce
+import cce.reference
 from cce.outputs import LossOutputs
 from cce.reference import linear_cross_entropy_reference
 
@@ -67,11 +69,10 @@ def _oracle(e, c, t, b, **opts):
     return linear_cross_entropy_reference(e, c, t, b, dtype=torch.float64, **opts)
 
 
-def _bounds(e, c, t, b, out, ups, *, softcap=None, temperature=1.0, shift=False, ignore_index=-100,
-            reduction="mean", label_smoothing=0.0, z_loss=0.0, **_):  # fmt: skip
-    """(per-token output bound [rows], gradient bounds {dE, dC, dbias}) of the module docstring,
-    from the oracle's fp64 values ``out`` and the upstream gradients ``ups``."""
-    z = e.detach() @ c.detach().T + (0.0 if b is None else b.detach())
+def _row_bounds(z, t, out, ups, *, softcap=None, temperature=1.0, shift=False, ignore_index=-100,
+                reduction="mean", label_smoothing=0.0, z_loss=0.0, **_):  # fmt: skip
+    """(per-token output bound, per-row bound on sum_v |dZ err_iv|) of the module docstring, from
+    the raw logits z (..., V), the oracle's fp64 values ``out`` and the upstream gradients."""
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     z = z / temperature
@@ -92,16 +93,22 @@ def _bounds(e, c, t, b, out, ups, *, softcap=None, temperature=1.0, shift=False,
     ent = out.entropy.detach().reshape(-1).abs()
     A = g_loss * (1 + 2 * z_loss * lse) + up("lse") + up("logprobs") * 2 + up("entropy") * (lse + ent + zmax)
     A = torch.where(valid, A, 0.0) / temperature
-    row = 8 * U32 * A * (3 + zmax)
+    return 8 * U32 * M, 8 * U32 * A * (3 + zmax)
+
+
+def _bounds(e, c, t, b, out, ups, **opts):
+    """The linear level: (per-token output bound, gradient bounds {e, c, bias})."""
+    z = e.detach() @ c.detach().T + (0.0 if b is None else b.detach())
+    out_bound, row = _row_bounds(z, t, out, ups, **opts)
     # e's rows as the problem reads them (shifted); dE's rows are disjoint, dC and dbias sum them
-    e_rows = e.detach()[..., :-1, :] if shift else e.detach()
+    e_rows = e.detach()[..., :-1, :] if opts.get("shift") else e.detach()
     e_norm = e_rows.reshape(-1, e.shape[-1]).norm(dim=1)
     grads = {
         "e": float(row.norm() * c.detach().norm(dim=1).max()),
         "c": float((row * e_norm).sum()),
         "bias": float(row.sum()),
     }
-    return 8 * U32 * M, grads
+    return out_bound, grads
 
 
 @st.composite
@@ -268,3 +275,42 @@ def test_compiles_fullgraph():
     g2 = torch.autograd.grad(want[0], (e, c))
     for x, y in zip(g1, g2, strict=True):
         torch.testing.assert_close(x, y)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.booleans())
+def test_logits_level_against_oracle(problem, inplace):
+    """cce.cross_entropy (logits level): every output and the gradient through all of them equal
+    the fp64 oracle within the module docstring's bounds (dX's rows: the per-row bound on
+    sum_v |dZ err|, which bounds the row's L2 error), the gradient also written in place."""
+    lead, _, V, opts, _, ignore, seed = problem
+    gen = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(*lead, V, generator=gen, dtype=torch.float64) * 3.0
+    t = torch.randint(0, V, lead, generator=gen)
+    t[torch.rand(lead, generator=gen) < ignore] = -100
+    kw = _all_outputs(**opts)
+
+    def fn(x, impl_fn, **k):
+        out = impl_fn(x, t, **kw, **k)
+        gen_up = torch.Generator().manual_seed(seed)
+        ups = {n: torch.randn(getattr(out, n).shape, generator=gen_up, dtype=torch.float64)
+               for n in ("loss", *OUTPUTS)}  # fmt: skip
+        total = sum((getattr(out, n).double() * u).sum() for n, u in ups.items())
+        return out, torch.autograd.grad(total, x)[0], ups
+
+    x = x0.clone().requires_grad_()
+    ref, gref, ups = fn(
+        x, lambda x, t, **k: cce.reference.cross_entropy_reference(x, t, dtype=torch.float64, **k)
+    )
+    xin = (x0.clone().requires_grad_() * 1.0) if inplace else x0.clone().requires_grad_()
+    got, ggot, _ = fn(xin, cce.cross_entropy, impl="torch", inplace_backward=inplace)
+    out_bound, row = _row_bounds(x0, t, ref, ups, **opts)
+    for name in ("lse", "logprobs", "entropy"):
+        x_, y_ = getattr(got, name), getattr(ref, name)
+        assert x_.shape == y_.shape and bool(((x_.double() - y_).abs().reshape(-1) <= out_bound).all()), name
+    assert torch.equal(got.argmax, ref.argmax) and float(got.accuracy) == float(ref.accuracy)
+    err = (ggot - gref).reshape(-1, V)
+    if opts["shift"]:  # the last position of each sequence has no target: its gradient is 0
+        err = (ggot - gref)[..., :-1, :].reshape(-1, V)
+        assert not (ggot - gref)[..., -1, :].any()
+    assert bool((err.norm(dim=1) <= row + 1e-300).all())
