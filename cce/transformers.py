@@ -38,7 +38,7 @@ from .distributed.fsdp import call_unsharded
 from .ops.linear_ce.api import linear_cross_entropy_with_options
 from .options import CCEOptions
 
-__all__ = ["is_patched", "options", "patch", "unpatch"]
+__all__ = ["is_patched", "options", "patch", "token_logprobs", "unpatch"]
 
 _STATE_ATTR = "_cce_state"
 
@@ -197,6 +197,25 @@ def _cce_loss(
     return loss
 
 
+def _capture(model: nn.Module, st: _PatchState, kw: dict):
+    """(the model's output without labels, the hidden states its lm_head received), no logits."""
+    st.capturing, st.hidden = True, None
+    try:
+        if st.prev_forward is not None:
+            out = st.prev_forward(**kw, labels=None, return_dict=True)
+        else:
+            out = type(model).forward(model, **kw, labels=None, return_dict=True)
+        hidden = st.hidden
+    finally:
+        st.capturing, st.hidden = False, None
+    if hidden is None:
+        raise RuntimeError(
+            f"cce.transformers: {type(model).__name__}.forward never called lm_head; cannot compute the "
+            "fused loss for this model"
+        )
+    return out, hidden
+
+
 def _patched_forward(self: nn.Module, *args, **kwargs):
     """The body of the instance forward installed by :func:`patch`."""
     st: _PatchState = self._cce_state
@@ -212,20 +231,7 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
     if return_dict is None:
         return_dict = getattr(getattr(self, "config", None), "return_dict", True)
 
-    st.capturing, st.hidden = True, None
-    try:
-        if st.prev_forward is not None:
-            out = st.prev_forward(**kw, labels=None, return_dict=True)
-        else:
-            out = type(self).forward(self, **kw, labels=None, return_dict=True)
-        hidden = st.hidden
-    finally:
-        st.capturing, st.hidden = False, None
-    if hidden is None:
-        raise RuntimeError(
-            f"cce.transformers: {type(self).__name__}.forward never called lm_head; cannot compute the "
-            "fused loss for this model"
-        )
+    out, hidden = _capture(self, st, kw)
     loss = _cce_loss(self, st, hidden, labels, shift_labels, num_items_in_batch)
     aux = out.get("aux_loss")
     if aux is not None and st.aux_coef:
@@ -331,3 +337,51 @@ def options(model: nn.Module) -> CCEOptions | None:
 def is_patched(model: nn.Module) -> bool:
     """Whether :func:`patch` is in effect on this instance."""
     return _STATE_ATTR in getattr(model, "__dict__", {})
+
+
+def token_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    labels: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    **forward_kwargs,
+):
+    """Per-token log-probabilities (and entropies) of a patched causal LM, without its logits.
+
+    What RL trainers compute as ``log_softmax(model(input_ids).logits / temperature)`` gathered
+    at the next token: position ``s`` scores ``labels[..., s + 1]`` (``labels`` defaults to
+    ``input_ids``; positions whose label is the patch's ``ignore_index`` get 0), under the
+    model's own logit transforms (softcap, logit scale) and then ``temperature``::
+
+        logits = model(input_ids, **forward_kwargs).logits.float() / temperature
+        logp = torch.log_softmax(logits[:, :-1], -1)
+        logprobs = logp.gather(-1, labels[:, 1:, None]).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+
+    Returns a :class:`cce.LossOutputs` shaped ``labels[..., 1:]``: ``logprobs`` (and ``entropy``
+    with ``entropy=True``) differentiable with respect to the model's parameters, ``loss`` the
+    per-token cross entropy (``-logprobs`` without label smoothing). ``forward_kwargs`` (an
+    attention mask, position ids, ...) go to the model's forward. ``model`` must be patched
+    (:func:`patch`), whose options (``impl``, ``ignore_index``, ``filter_eps``) apply.
+    """
+    st = model.__dict__.get(_STATE_ATTR)
+    if st is None:
+        raise ValueError(
+            "cce.transformers.token_logprobs: the model is not patched; call cce.transformers.patch(model)"
+        )
+    targets = input_ids if labels is None else labels
+    forward_kwargs.pop("labels", None)
+    _, hidden = _capture(model, st, dict(forward_kwargs, input_ids=input_ids))
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"cce.transformers.token_logprobs: labels of shape {tuple(targets.shape)} do not match the "
+            f"hidden states {tuple(hidden.shape[:-1])} (leave logits_to_keep at 0)"
+        )
+    opts = dataclasses.replace(
+        st.options, reduction="none", shift=True, softcap=st.softcap, return_lse=False,
+        temperature=temperature, return_logprobs=True, return_entropy=entropy,
+    )  # fmt: skip
+    head = _output_layer(model)
+    return call_unsharded(head, _head_loss, hidden, targets, head=head, scale=st.scale, opts=opts)
