@@ -314,3 +314,81 @@ def test_logits_level_against_oracle(problem, inplace):
         err = (ggot - gref)[..., :-1, :].reshape(-1, V)
         assert not (ggot - gref)[..., -1, :].any()
     assert bool((err.norm(dim=1) <= row + 1e-300).all())
+
+
+@pytest.mark.parametrize(
+    "filter_eps,tuning",
+    [
+        (None, cce.Tuning()),  # the exact backward
+        (2.0**-12, cce.Tuning(backward="recompute")),
+        (2.0**-12, cce.Tuning(backward="sparse", dense_slabs=False)),
+        (2.0**-12, cce.Tuning(backward="sparse", sparse_min_flops=0, dense_slab_bytes=16 * 64 * 4)),
+    ],
+)
+def test_triton_logprobs_are_minus_the_loss(filter_eps, tuning):
+    """impl="triton" (the interpreter on CPU) gives the log-probabilities at temperature 1: the
+    target logit's gradient enters the coefficients (beta -= u). Without smoothing, weights or
+    z-loss, logprob = -loss per token, so upstream gradients g (loss), h (lse) and u (logprobs)
+    must give the gradients of upstream g - u on the loss and h on lse, through the same kernels
+    and the same plan: the coefficients differ only in the order of one fp32 addition
+    (g + (h - u) against (g - u) + h), so the gradients agree to a few fp32 units (1e-5
+    relative; the gradient through the log-probabilities alone is of the same size)."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(3)
+    N, D, V = 48, 16, 300
+    e = torch.randn(N, D, generator=gen) / 2
+    c = torch.randn(V, D, generator=gen)
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[::7] = -100
+    g, h, u = (torch.randn(N, generator=gen) for _ in range(3))
+    kw = dict(impl="triton", reduction="none", filter_eps=filter_eps, tuning=tuning)
+
+    def grads(up_loss, with_logprobs):
+        ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+        opts = cce.CCEOptions(return_lse=True, return_logprobs=with_logprobs, **kw)
+        out = cce.linear_cross_entropy_with_options(ee, cc, t, None, None, opts)
+        loss, lse = out[0], out[1]
+        total = (loss * up_loss).sum() + (lse * h).sum()
+        if with_logprobs:
+            total = total + (out.logprobs * u).sum()
+            assert torch.equal(out.logprobs, torch.where(t != -100, -loss, 0.0))
+        return torch.autograd.grad(total, (ee, cc))
+
+    got = grads(g, True)
+    want = grads(g - u, False)
+    for x, y in zip(got, want, strict=True):
+        assert rel_err_(x, y) < 1e-5
+    # u matters: dropping it changes the gradients by far more than the tolerance
+    assert rel_err_(grads(g, False)[0], want[0]) > 1e-2
+
+
+def rel_err_(a, b):
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_triton_logits_logprobs_are_minus_the_loss(inplace):
+    """The logits level's Triton row passes (the interpreter on CPU) give the log-probabilities at
+    temperature 1; as above, upstream (g, h, u) on (loss, lse, logprobs) equals (g - u, h) on
+    (loss, lse) up to the order of one fp32 addition in the coefficients."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(4)
+    N, V = 40, 130
+    x0 = torch.randn(N, V, generator=gen) * 3
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[::6] = -100
+    g, h, u = (torch.randn(N, generator=gen) for _ in range(3))
+
+    def grad(up_loss, with_logprobs):
+        x = x0.clone().requires_grad_()
+        xin = x * 1.0 if inplace else x  # in place only on non-leaf logits
+        out = cce.cross_entropy(xin, t, impl="triton", reduction="none", return_lse=True,
+                                return_logprobs=with_logprobs, inplace_backward=inplace)  # fmt: skip
+        total = (out[0] * up_loss).sum() + (out[1] * h).sum()
+        if with_logprobs:
+            total = total + (out.logprobs * u).sum()
+        return torch.autograd.grad(total, x)[0]
+
+    want = grad(g - u, False)
+    assert rel_err_(grad(g, True), want) < 1e-5
+    assert rel_err_(grad(g, False), want) > 1e-2

@@ -48,13 +48,15 @@ def _flat_targets(targets: torch.Tensor, opts: CCEOptions) -> torch.Tensor:
 
 def _resolve_impl(opts: CCEOptions, logits: torch.Tensor) -> str:
     impl = select_impl(opts.impl, logits.device)
-    if impl == "triton" and (opts.temperature != 1.0 or opts.token_outputs):
-        # The Triton row kernels do not take a temperature nor form these outputs yet (issue 18):
-        # "auto" runs the PyTorch row passes (chunked, on the same device) for such calls.
+    kernel_outputs = opts.return_entropy or opts.return_argmax or opts.return_accuracy
+    if impl == "triton" and (opts.temperature != 1.0 or kernel_outputs):
+        # The Triton row kernels take no temperature and form neither the entropy nor the argmax
+        # yet (issue 18; the log-probabilities they give): "auto" runs the PyTorch row passes
+        # (chunked, on the same device) for such calls.
         if opts.impl == "triton":
             raise NotImplementedError(
-                "impl='triton' does not yet support temperature != 1 or the per-token outputs "
-                "(log-probs, entropy, argmax, accuracy); use impl='torch' or impl='auto'"
+                "impl='triton' does not yet support temperature != 1 or the entropy, argmax and "
+                "accuracy outputs; use impl='torch' or impl='auto'"
             )
         return "torch"
     if impl == "triton" and logits.dtype == torch.float64:
@@ -173,7 +175,8 @@ def cross_entropy(
         return_lse: also return the (differentiable) log-sum-exp per token, 0 at ignored tokens.
         temperature, return_logprobs, return_entropy, return_argmax, return_accuracy: as in
             :func:`cce.linear_cross_entropy` (a :class:`cce.LossOutputs` is returned with any of
-            the four outputs; for now they and a temperature other than 1 run ``impl="torch"``).
+            the four outputs; for now a temperature other than 1 and the entropy, argmax and
+            accuracy run ``impl="torch"``).
 
     Returns:
         The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``

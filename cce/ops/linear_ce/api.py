@@ -59,13 +59,15 @@ def _autocast_operands(e, c, bias):
 
 def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
     impl = select_impl(opts.impl, e.device)
-    if impl == "triton" and (opts.temperature != 1.0 or opts.token_outputs):
-        # The Triton kernels do not take a temperature nor form these outputs yet (issue 18):
-        # "auto" runs the PyTorch implementation (chunked, on the same device) for such calls.
+    kernel_outputs = opts.return_entropy or opts.return_argmax or opts.return_accuracy
+    if impl == "triton" and (opts.temperature != 1.0 or kernel_outputs):
+        # The Triton kernels take no temperature and form neither the entropy nor the argmax yet
+        # (issue 18; the log-probabilities they give): "auto" runs the PyTorch implementation
+        # (chunked, on the same device) for such calls.
         if opts.impl == "triton":
             raise NotImplementedError(
-                "impl='triton' does not yet support temperature != 1 or the per-token outputs "
-                "(log-probs, entropy, argmax, accuracy); use impl='torch' or impl='auto'"
+                "impl='triton' does not yet support temperature != 1 or the entropy, argmax and "
+                "accuracy outputs; use impl='torch' or impl='auto'"
             )
         impl = "torch"
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
@@ -89,8 +91,8 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
     else:
         from .triton_impl import linear_ce_triton
 
-        loss, lse = linear_ce_triton(*args, need_de, need_dc, need_db, opts.resolved_tuning)
-        tgt_logit = entropy = argmax = None
+        loss, lse, tgt_logit = linear_ce_triton(*args, need_de, need_dc, need_db, opts.resolved_tuning)
+        entropy = argmax = None
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
     return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape))
@@ -156,9 +158,9 @@ def linear_cross_entropy(
         return_argmax: also return the argmax id per token (ties: the smallest id).
         return_accuracy: also return the share of non-ignored tokens whose argmax is the target.
             With any of these four the result is a :class:`cce.LossOutputs` (loss first; the
-            outputs' conventions at ignored tokens are documented there). For now they, and a
-            temperature other than 1, run ``impl="torch"`` (``"auto"`` picks it on CUDA too),
-            and not under vocabulary parallelism.
+            outputs' conventions at ignored tokens are documented there). For now a temperature
+            other than 1 and the entropy, argmax and accuracy run ``impl="torch"`` (``"auto"``
+            picks it on CUDA too); none of the four runs under vocabulary parallelism.
         process_group: vocabulary parallelism: ``c`` (and ``bias`` / ``weight``) are this rank's
             contiguous block of classifier rows, ``e`` and ``targets`` (global ids) are the same
             on every rank (see :mod:`cce.distributed`). A ``DTensor`` ``c`` sharded ``Shard(0)``

@@ -79,24 +79,28 @@ def coefficient_backward(
 
 
 def loss_coefficients(
-    weight, targets, lse, g, h, ignore_index: int, label_smoothing: float, z_loss: float, V: int
+    weight, targets, lse, g, h, ignore_index: int, label_smoothing: float, z_loss: float, V: int, u=None
 ):
     """(alpha, beta, gamma, smoothing) per row of this loss for upstream gradients g (per-row
-    loss) and h (lse), cce/_math.py."""
+    loss), h (lse) and u (the target logit: a log-probability output), cce/_math.py."""
     k = _math.LossConsts(label_smoothing, z_loss, V)
     valid = targets != ignore_index
     w_t = _math.target_weight(weight, targets, valid)
     W = _math.weight_total(weight, V, targets.device)
-    return (*_math.coefficients(g, h, lse, w_t, W, valid, k), k.smoothing)
+    alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
+    if u is not None:
+        alpha, beta, _ = _math.output_coefficients(alpha, beta, u, None, lse, None, valid)
+    return alpha, beta, gamma, k.smoothing
 
 
 def loss_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-    filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes: int,
+    filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes: int, u=None,
 ):  # fmt: skip
-    """coefficient_backward for upstream gradients g (per-row loss) and h (lse) of this loss."""
+    """coefficient_backward for upstream gradients g (per-row loss), h (lse) and u (target
+    logit) of this loss."""
     alpha, beta, gamma, smoothing = loss_coefficients(
-        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, c.shape[0]
+        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, c.shape[0], u
     )
     return coefficient_backward(
         e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if smoothing else None,
@@ -133,9 +137,10 @@ def sparse_backward(
     move_bytes: int = _T.stash_move_bytes, return_plan: bool = False, dense_slabs: bool = False,
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
     slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
-    first_order: bool = _T.first_order,
+    first_order: bool = _T.first_order, u=None,
 ):  # fmt: skip
-    """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan).
+    """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan);
+    ``u``: an upstream gradient on the target logit (a log-probability output), else None.
 
     dE is written into ``stash`` (the forward's buffer, whose tail may hold the codes: then
     ``code`` is empty) and returned; without one a new buffer is used.
@@ -163,7 +168,7 @@ def sparse_backward(
     dev = e2d.device
     f32 = torch.float32
     alpha, beta, gamma, smooth = loss_coefficients(
-        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V
+        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u
     )
     r = RowOrder(targets, rows, ignore_index)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731

@@ -60,10 +60,7 @@ class FwdArgs(NamedTuple):
     first_order: bool
 
 
-_FWD_OUT = tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-    torch.Tensor,
-]  # fmt: skip
+_FWD_OUT = tuple[(torch.Tensor,) * 9]
 
 
 def _stats_tiles(V: int, dtype: torch.dtype) -> int:
@@ -72,7 +69,8 @@ def _stats_tiles(V: int, dtype: torch.dtype) -> int:
 
 @define_op("cce::linear_ce_triton_fwd", FwdArgs, _FWD_OUT)
 def linear_ce_triton_fwd(a: FwdArgs):
-    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash); lse is fp32 (N,), 0 at ignored rows.
+    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash, tgt); lse and tgt (each row's target
+    logit) are fp32 (N,), 0 at ignored rows.
 
     With ``stats`` the next outputs are the encoded tile statistics (tile_stats.encode_tile_stats:
     uint8 masses per sorted row and tile, int8 keep flags per token block and tile), the sorted
@@ -113,13 +111,14 @@ def linear_ce_triton_fwd(a: FwdArgs):
     loss_tok = _math.token_loss(lse, tgt, ssum, w_t, W, r.valid, k)
     loss = _math.reduce_loss(loss_tok, w_t, a.reduction)
     lse = torch.where(r.valid, lse, 0.0)
+    tgt = torch.where(r.valid, tgt, 0.0)
     if not a.stats:
         none = e2d.new_empty(0, dtype=torch.float32)
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
-            e2d.new_empty(0),
+            e2d.new_empty(0), tgt,
         )  # fmt: skip
-    return loss, lse, code, keep, zt_s, perm.int(), score, buf
+    return loss, lse, code, keep, zt_s, perm.int(), score, buf, tgt
 
 
 def _fwd_fake(a: FwdArgs):
@@ -133,7 +132,7 @@ def _fwd_fake(a: FwdArgs):
         none = e2d.new_empty(0, dtype=f32)
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
-            e2d.new_empty(0, dtype=kdt),
+            e2d.new_empty(0, dtype=kdt), e2d.new_empty((N,), dtype=f32),
         )  # fmt: skip
     BN = stats_blocks(kdt)[0]
     nt = _stats_tiles(V, kdt)
@@ -142,7 +141,7 @@ def _fwd_fake(a: FwdArgs):
         loss, lse, e2d.new_empty((0,) if in_stash else (N, nt), dtype=torch.uint8),
         e2d.new_empty((-(-N // BN), nt), dtype=torch.int8), e2d.new_empty((N,), dtype=f32),
         e2d.new_empty((V,), dtype=torch.int32), e2d.new_empty((V,), dtype=f32),
-        e2d.new_empty(e2d.shape if a.stash else (0,), dtype=kdt),
+        e2d.new_empty(e2d.shape if a.stash else (0,), dtype=kdt), e2d.new_empty((N,), dtype=f32),
     )  # fmt: skip
 
 
@@ -168,6 +167,7 @@ class BwdArgs(NamedTuple):
     need_dc: bool
     need_dbias: bool
     dz_slab_bytes: int
+    u: torch.Tensor | None  # [N] upstream gradient of the target logit output (log-probabilities)
 
 
 @define_op("cce::linear_ce_triton_bwd", BwdArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor])
@@ -177,7 +177,7 @@ def linear_ce_triton_bwd(a: BwdArgs):
     e2d_k, c_k, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
     dE, dC, db = loss_backward(
         e2d_k, c_k, bias, weight, a.rows, a.targets, a.lse, a.g, a.h, a.ignore_index, a.softcap,
-        a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.need_dbias, a.dz_slab_bytes,
+        a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.need_dbias, a.dz_slab_bytes, a.u,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None else a.e2d.new_empty(0),
@@ -231,6 +231,7 @@ class SparseBwdArgs(NamedTuple):
     slab_error_dc: float
     dense_slab_bytes: int
     first_order: bool
+    u: torch.Tensor | None  # [N] upstream gradient of the target logit output
 
 
 @define_op(
@@ -251,7 +252,7 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
-        dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order,
+        dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, u=a.u,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -271,7 +272,7 @@ register_fake(linear_ce_triton_bwd_sparse, _sparse_fake)
 
 
 def _setup_context(ctx, a: FwdArgs, output) -> None:
-    _loss, lse, code, keep, zt, vperm, vscore, stash = output
+    _loss, lse, code, keep, zt, vperm, vscore, stash, _tgt = output
     ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash)
     # Unused incoming gradients stay None: materialised, the statistics' would be zero-filled
     # [N, V / 256] tensors alive through the backward.
@@ -282,7 +283,7 @@ def _setup_context(ctx, a: FwdArgs, output) -> None:
     )
 
 
-def _backward(ctx, g_loss, g_lse, *_aux):
+def _backward(ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, _g_stash, g_tgt):
     a: FwdArgs = ctx.args
     e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash = ctx.saved_tensors
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
@@ -302,7 +303,7 @@ def _backward(ctx, g_loss, g_lse, *_aux):
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
-            a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order,
+            a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, g_tgt,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
             # dE was written into the forward's stash (a second backward through this graph
@@ -312,7 +313,7 @@ def _backward(ctx, g_loss, g_lse, *_aux):
     else:
         dE, dC, db = linear_ce_triton_bwd(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, a.ignore_index, a.softcap,
-            a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc, need_db, a.dz_slab_bytes,
+            a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc, need_db, a.dz_slab_bytes, g_tgt,
         )  # fmt: skip
     return (dE if need_de else None, dC if need_dc else None, db if need_db else None, *nothing)
 
@@ -342,10 +343,10 @@ class FusedArgs(NamedTuple):
 @define_op(
     "cce::linear_ce_triton_fused",
     FusedArgs,
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[(torch.Tensor,) * 6],
 )
 def linear_ce_triton_fused(a: FusedArgs):
-    """(loss, lse, dE, dC, dbias): loss and lse as linear_ce_triton_fwd's, and the exact
+    """(loss, lse, dE, dC, dbias, tgt): loss, lse and tgt as linear_ce_triton_fwd's, and the exact
     gradients of the loss for an upstream gradient of 1, formed in this forward pass
     (kernels/fused_grads.py), in the dtypes of e2d, c, bias (empty where not asked for)."""
     e2d, c, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
@@ -373,6 +374,7 @@ def linear_ce_triton_fused(a: FusedArgs):
         out.dE.to(a.e2d.dtype) if out.dE is not None else a.e2d.new_empty(0),
         out.dC.to(a.c.dtype) if out.dC is not None else a.c.new_empty(0),
         out.dbias.to(bias.dtype) if out.dbias is not None else a.c.new_empty(0),
+        torch.where(valid, out.tgt, 0.0),
     )
 
 
@@ -385,6 +387,7 @@ def _fused_fake(a: FusedArgs):
         e2d.new_empty(e2d.shape if a.need_de else (0,)),
         c.new_empty(c.shape if a.need_dc else (0,)),
         c.new_empty((c.shape[0],) if a.need_dbias else (0,), dtype=bias.dtype if a.need_dbias else c.dtype),
+        e2d.new_empty((a.targets.shape[0],), dtype=f32),
     )
 
 
@@ -406,7 +409,7 @@ register_fake(scale_inplace, lambda a: None)
 
 
 def _fused_setup_context(ctx, a: FusedArgs, output) -> None:
-    _loss, lse, dE, dC, db = output
+    _loss, lse, dE, dC, db, _tgt = output
     ctx.mark_non_differentiable(dE, dC, db)
     ctx.set_materialize_grads(False)
     ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
@@ -416,10 +419,11 @@ def _fused_setup_context(ctx, a: FusedArgs, output) -> None:
     ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse)
 
 
-def _fused_backward(ctx, g_loss, g_lse, *_aux):
+def _fused_backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db, g_tgt):
     """The forward's gradients scaled in place by the (scalar) upstream gradient. A gradient
-    reaching lse, or a second backward through a retained graph (the forward's gradients are
-    then spent), takes the exact backward for what is left (one more pass)."""
+    reaching lse or the target logit (log-probabilities), or a second backward through a
+    retained graph (the forward's gradients are then spent), takes the exact backward for what
+    is left (one more pass)."""
     a: FusedArgs = ctx.args
     e2d, c, bias, weight, rows, targets, lse = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
@@ -438,13 +442,14 @@ def _fused_backward(ctx, g_loss, g_lse, *_aux):
         valid = targets != a.ignore_index
         w_t = _math.target_weight(weight, targets, valid)
         g_rest = _math.row_upstream(g_loss, w_t, a.reduction, targets.numel()).contiguous()
-    if g_rest is not None or g_lse is not None:
+    if g_rest is not None or g_lse is not None or g_tgt is not None:
         if g_rest is None:
             g_rest = torch.zeros(targets.numel(), dtype=torch.float32, device=targets.device)
         e2d_k, c_k, bias_k, weight_k = kernel_operands(e2d, c, bias, weight)
         extra = loss_backward(
             e2d_k, c_k, bias_k, weight_k, rows, targets, lse, g_rest, g_lse, a.ignore_index, a.softcap,
             a.label_smoothing, a.z_loss, 0.0, need[0], need[1], need[2] and bias is not None, a.dz_slab_bytes,
+            g_tgt,
         )  # fmt: skip
         for j, (x, ref) in enumerate(zip(extra, (e2d, c, bias), strict=True)):
             if x is not None and need[j]:
@@ -472,8 +477,9 @@ def linear_ce_triton(
     need_dc: bool,
     need_dbias: bool,
     tuning: Tuning,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse). need_de / need_dc / need_dbias (what autograd will ask for) choose the
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, tgt): tgt each row's target logit (fp32, 0 at ignored rows; differentiable,
+    for log-probabilities). need_de / need_dc / need_dbias (what autograd will ask for) choose the
     backward (cce._dispatch.linear_backward): for the sparse one the forward also gathers the
     tile statistics."""
     N, (V, D) = targets.numel(), c.shape
@@ -488,7 +494,7 @@ def linear_ce_triton(
             e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
             need_de, need_dc, need_dbias, tuning.fused_chunk_bytes, tuning.dz_slab_bytes,
         )  # fmt: skip
-        return out[0], out[1]
+        return out[0], out[1], out[5]
     if algo == "exact":
         filter_eps = 0.0
     stats = algo == "sparse"
@@ -499,7 +505,7 @@ def linear_ce_triton(
         tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc, tuning.dense_slab_bytes,
         tuning.first_order,
     )  # fmt: skip
-    return out[0], out[1]
+    return out[0], out[1], out[8]
 
 
 def forward_stats(e2d, c, bias, weight, rows, targets, ignore_index: int, softcap: float, smoothing: bool):

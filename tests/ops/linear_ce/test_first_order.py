@@ -199,7 +199,7 @@ def test_sparse_backward_with_first_order_is_the_model(std, monkeypatch):
         seen["flags"] = orig(*a, **k)
         return seen["flags"]
 
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:])
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:8])
     monkeypatch.setattr(TB, "dense_slab_flags", spy)
     dE, dC = sparse_backward(*args, dense_slabs=True)
     dense, flag = seen["flags"]

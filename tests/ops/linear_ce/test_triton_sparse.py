@@ -303,7 +303,7 @@ def test_scratch_and_recompute_agree():
     eps = 2e-3
     out = _fwd(e, c, None, None, t, "mean", 0.0, 0.0, 0.0, eps)
     g = torch.full((64,), 1 / 64)
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:])
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8])
     dE, dC, plan = sparse_backward(*args, return_plan=True)
     cap = KS.kept_scratch_tiles(64, e.dtype)
     assert 0 < cap < int(plan.n_kept)  # both sources in use
@@ -354,16 +354,16 @@ def test_stash_layout_gives_the_same_gradients(dtype, D, shift):
     for stash in (False, True):
         out = _fwd(e, c, None, rows, t, "mean", 0.0, 0.0, 0.0, eps, stash)
         assert (out[2].numel() == 0) == (stash and fits)
-        assert out[-1].shape == ((n, D) if stash else (0,))
+        assert out[7].shape == ((n, D) if stash else (0,))
         if stash:  # poison (0xff bytes: NaN) all but the codes: no unwritten byte may matter
-            raw = out[-1].view(-1).view(torch.uint8)
+            raw = out[7].view(-1).view(torch.uint8)
             raw[: raw.numel() - (N * nt if fits else 0)] = 255
         dE, dC = sparse_backward(
-            e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:],
+            e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8],
             move_bytes=move,
         )  # fmt: skip
         if stash:
-            assert dE.data_ptr() == out[-1].data_ptr()  # written in place
+            assert dE.data_ptr() == out[7].data_ptr()  # written in place
         res.append((dE, dC))
     (e0, c0), (e1, c1) = res
     assert torch.equal(e0, e1) and torch.equal(c0, c1)
