@@ -7,6 +7,8 @@ Examples::
     python -m bench --sweep                  # the N sweep 1024..65536 at llama3-8b (linear level)
     python -m bench --shapes llama3-8b,2048x1024x32000 --providers cce,torch --data zipf --modes fwd+bwd
     python -m bench --list                   # providers and whether they can run here
+    python -m bench --quick --levels linear --providers cce,cce-outputs,cce-entropy-bonus
+                                             # per-token outputs' cost (issue 18)
     python -m bench --matrix --matrix-heads gpt2 --matrix-n 8192   # a slice of the shape x data matrix
     python -m bench --matrix --matrix-gpus 4 # the whole matrix as one run on 4 GPUs of this host
     python -m bench --check linear [--quick] # correctness of impl="triton" at real sizes (bench/checks.py)

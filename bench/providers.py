@@ -45,6 +45,9 @@ class Provider:
     nonleaf_input: bool = False  # wants the logits as a non-leaf (cce's inplace_backward)
     shift: bool = False  # computes the causal-shifted loss (logits[:-1] vs targets[1:])
     modes: tuple[str, ...] = MODES
+    # False: the provider's objective is not the plain cross entropy (a loss with an entropy
+    # bonus): its loss and gradients are timed, not compared with the reference.
+    reference: bool = True
     _fn: Callable[..., torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     def unavailable(self) -> str | None:
@@ -85,6 +88,25 @@ def _cce_tuned(**tuning):
         return lambda e, c, t: cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
 
     return make
+
+
+def _cce_outputs():
+    """cce with every per-token output (log-probs, entropy, argmax, accuracy); the loss as cce's."""
+    import cce
+
+    kw = dict(return_logprobs=True, return_entropy=True, return_argmax=True, return_accuracy=True)
+    return lambda e, c, t: cce.linear_cross_entropy(e, c, t, **kw).loss
+
+
+def _cce_entropy_bonus():
+    """loss - 0.01 * entropy.mean(): an RL-style objective whose entropy receives a gradient."""
+    import cce
+
+    def fn(e, c, t):
+        out = cce.linear_cross_entropy(e, c, t, return_entropy=True)
+        return out.loss - 0.01 * out.entropy.mean()
+
+    return fn
 
 
 def _torch_linear(e, c, t):
@@ -222,6 +244,11 @@ def all_providers() -> list[Provider]:
           "cce, Tuning(fused=False): exact gradients by the four-pass exact backward, not in the forward",
           needs_cuda=True, modes=(FWDBWD,)),
         P("cce-torch", LINEAR, _cce(impl="torch"), "cce, impl='torch' (chunked PyTorch)"),
+        P("cce-outputs", LINEAR, _cce_outputs,
+          "cce with every per-token output (log-probs, entropy, argmax, accuracy; issue 18)"),
+        P("cce-entropy-bonus", LINEAR, _cce_entropy_bonus,
+          "cce, loss - 0.01 * entropy.mean() (issue 18; not compared with the reference)", modes=(FWDBWD,),
+          reference=False),
         P("torch", LINEAR, lambda: _torch_linear, "F.cross_entropy((e @ c.T).float(), t), eager"),
         P("torch-compile", LINEAR, _compiled(_torch_linear), "the same under torch.compile"),
         P("chunked8", LINEAR, lambda: _chunked8, "8 row chunks, logits upcast per chunk, recomputed in bwd"),

@@ -206,6 +206,24 @@ def test_smoke_run_schema_and_failures(tmp_path, one_thread):
         assert "modified its inputs" in by[("scribbler", "zipf", mode)]["error"]
 
 
+def test_rl_output_providers(tmp_path, one_thread):
+    """The issue-18 providers run: cce with every output has the plain loss (compared with the
+    reference), the entropy-bonus objective is timed but not compared."""
+    providers = [p for p in all_providers() if p.name in ("cce-outputs", "cce-entropy-bonus")]
+    cfg = Config(
+        shapes=[Shape("tiny", 40, 16, 70)], providers=providers, device="cpu", rep_ms=1.0, min_reps=2,
+        out_dir=None, plots=False, log=lambda s: None, levels=(LINEAR,), regimes=("zipf",),
+    )  # fmt: skip
+    rows = run(cfg)["rows"]
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    assert set(by) == {("cce-outputs", FWD), ("cce-outputs", FWDBWD), ("cce-entropy-bonus", FWDBWD)}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows), rows
+    ok = by[("cce-outputs", FWDBWD)]  # bf16 inputs: gradients stored in bf16 (~1e-2 at most)
+    assert ok["loss_err"] < 1e-2 and ok["de_err"] < 2e-2 and ok["dc_err"] < 2e-2
+    bonus = by[("cce-entropy-bonus", FWDBWD)]
+    assert "loss_err" not in bonus and "de_err" not in bonus
+
+
 def test_check_modes_parse():
     """The former one-off GPU checks are modes of the one CLI (bench/checks.py)."""
     args = build_parser().parse_args(["--check", "linear", "--quick"])
