@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..._dispatch import select_impl
+from ..._dispatch import impl_for_outputs, select_impl
 from ..._validation import check_logits_inputs
 from ...options import CCEOptions
 from ...outputs import assemble
@@ -47,18 +47,7 @@ def _flat_targets(targets: torch.Tensor, opts: CCEOptions) -> torch.Tensor:
 
 
 def _resolve_impl(opts: CCEOptions, logits: torch.Tensor) -> str:
-    impl = select_impl(opts.impl, logits.device)
-    kernel_outputs = opts.return_entropy or opts.return_argmax or opts.return_accuracy
-    if impl == "triton" and (opts.temperature != 1.0 or kernel_outputs):
-        # The Triton row kernels take no temperature and form neither the entropy nor the argmax
-        # yet (issue 18; the log-probabilities they give): "auto" runs the PyTorch row passes
-        # (chunked, on the same device) for such calls.
-        if opts.impl == "triton":
-            raise NotImplementedError(
-                "impl='triton' does not yet support temperature != 1 or the entropy, argmax and "
-                "accuracy outputs; use impl='torch' or impl='auto'"
-            )
-        return "torch"
+    impl = impl_for_outputs(opts, select_impl(opts.impl, logits.device))
     if impl == "triton" and logits.dtype == torch.float64:
         if opts.impl == "triton":
             raise TypeError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..._dispatch import is_dtensor, needs_grad, select_impl
+from ..._dispatch import impl_for_outputs, is_dtensor, needs_grad, select_impl
 from ..._validation import check_linear_inputs
 from ...options import CCEOptions
 from ...outputs import assemble
@@ -58,18 +58,7 @@ def _autocast_operands(e, c, bias):
 
 
 def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
-    impl = select_impl(opts.impl, e.device)
-    kernel_outputs = opts.return_entropy or opts.return_argmax or opts.return_accuracy
-    if impl == "triton" and (opts.temperature != 1.0 or kernel_outputs):
-        # The Triton kernels take no temperature and form neither the entropy nor the argmax yet
-        # (issue 18; the log-probabilities they give): "auto" runs the PyTorch implementation
-        # (chunked, on the same device) for such calls.
-        if opts.impl == "triton":
-            raise NotImplementedError(
-                "impl='triton' does not yet support temperature != 1 or the entropy, argmax and "
-                "accuracy outputs; use impl='torch' or impl='auto'"
-            )
-        impl = "torch"
+    impl = impl_for_outputs(opts, select_impl(opts.impl, e.device))
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)
