@@ -1,10 +1,19 @@
 """The collectives of vocabulary parallelism: all-gathers whose backward matches how their
-result is consumed (the same loss on every rank, or each rank its own tokens)."""
+result is consumed (the same loss on every rank, or each rank its own tokens), and the sum over
+ranks of the hidden states' gradient.
+
+They run as torch's functional collectives (``torch.ops._c10d_functional``, what
+``torch.distributed._functional_collectives`` and DTensor use): plain tensor ops that
+torch.compile traces into one graph and that a CUDA graph can capture (NCCL), where the
+``dist.*`` calls would break the graph. Nothing here reads a tensor on the host.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+_c10d = torch.ops._c10d_functional
 
 
 def group_device(group) -> torch.device:
@@ -18,13 +27,17 @@ def group_device(group) -> torch.device:
 def all_gather(x: torch.Tensor, group) -> torch.Tensor:
     """[world, *x.shape] gathered in rank order (not differentiable)."""
     world = dist.get_world_size(group)
-    x = x.contiguous()
-    out = x.new_empty((world, *x.shape))
-    if "nccl" in str(dist.get_backend(group)).lower():
-        dist.all_gather_into_tensor(out, x, group=group)
-    else:
-        dist.all_gather(list(out.unbind(0)), x, group=group)
-    return out
+    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), world, group.group_name))
+    return out.view(world, *x.shape)
+
+
+def all_reduce_(x: torch.Tensor, group) -> torch.Tensor:
+    """x summed over the ranks of ``group``, in x's dtype: in place (x contiguous), except while
+    torch.compile traces (AOTAutograd functionalizes no in-place collective; the out-of-place one
+    is traced instead, and the compiler may reuse x's buffer)."""
+    if torch.compiler.is_compiling():
+        return _c10d.wait_tensor(_c10d.all_reduce(x, "sum", group.group_name))
+    return _c10d.wait_tensor(_c10d.all_reduce_(x, "sum", group.group_name))
 
 
 class GatherReplicated(torch.autograd.Function):
@@ -52,9 +65,23 @@ class GatherSummed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g[ctx.rank], None
+        return all_reduce_(g.contiguous().clone(), ctx.group)[ctx.rank], None
+
+
+class SumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks of ``group``, in place and in
+    the gradient's dtype (Megatron's "copy to the tensor-parallel region"): for an input every
+    rank holds the same copy of and whose consumers (each rank's vocabulary block) differ."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        # (The incoming gradient is the block op's own dE buffer, used by nothing else.)
+        return all_reduce_(g if g.is_contiguous() else g.contiguous(), ctx.group), None
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -82,7 +109,5 @@ class GatherTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         world = dist.get_world_size(ctx.group)
-        g = g.contiguous()
-        out = g.new_empty((g.shape[0] // world, *g.shape[1:]))
-        dist.reduce_scatter_tensor(out, g, group=ctx.group)
-        return out, None
+        out = _c10d.reduce_scatter_tensor(g.contiguous(), "sum", world, ctx.group.group_name)
+        return _c10d.wait_tensor(out), None

@@ -21,14 +21,29 @@ gradients (g_lse, g_tgt, g_ssum) on its own statistics, so that its logit gradie
 which is the kernels' (alpha, beta, gamma) form with alpha = g_lse, beta = -g_tgt,
 gamma = -g_ssum (g_lse p_v equals the global alpha times the global softmax, since
 g_lse = alpha exp(lse_r - lse)). dC_local and dbias_local stay local; dE is summed over ranks
-by an all-reduce in backward (the only collective there), in fp32 before the cast to e's dtype.
+by an all-reduce in backward (the only collective there).
+
+impl="triton" runs the single-device forward op and its backward on the block
+(local.triton_block_stats): the same tile statistics, vocabulary order, backward algorithm and
+stash as one device, dE written in e's dtype and summed over ranks in that dtype (SumGrad), so
+no fp32 gradient buffer exists. Its filter is the one device's on the block's softmax p_loc =
+exp(L - lse_r) = p exp(lse - lse_r) >= p: an entry it skips (p_loc < eps) has p < eps too, so
+the skipped set is one the single-device bound covers (a subset of what eps would skip on the
+global softmax, tile by tile in the block's own vocabulary order). Summing k bf16 shares
+costs roundings: each rank rounds its share once (2^-9 relative to the share), and the sum is
+rounded once more per addition (k - 1; NCCL's ring adds in the dtype); at k = 2 that is the
+fp32 sum rounded once, as an fp32 reduction would give. The error is relative to the shares'
+norms, sum_r |dE_r|, which exceeds |dE| only where shares cancel.
+impl="torch" (the exact, chunked loop) keeps its fp32 buffers and sums dE in fp32 before the
+cast.
 
 Replicated-loss convention: the loss is computed redundantly on every rank, so the backward of
 the all-gather just takes this rank's slice (no communication). This is exact when every rank
 back-propagates the same upstream gradient, which is the case for ``loss.backward()`` on the
 replicated loss (as in Megatron's vocab-parallel cross entropy).
 
-Every call first checks the set-up across ranks (setup.py). The rank's own work goes through
+The set-up is checked across ranks at its first call (setup.py; cached, no host
+synchronisation afterwards). The rank's own work goes through
 the implementations' per-block interface, cce/ops/linear_ce/local.py. FSDP2 (data parallel,
 each rank its own tokens) is a different set-up: fsdp.py.
 """
@@ -41,11 +56,19 @@ import torch
 import torch.distributed as dist
 
 from .. import _math
-from .._dispatch import is_dtensor, select_impl
-from ..ops.linear_ce.local import block_grads, block_stats
+from .._dispatch import is_dtensor, needs_grad, select_impl
+from ..ops.linear_ce.local import block_grads, block_stats, triton_block_stats
 from ..ops.linear_ce.rows import flatten_rows
 from ..options import CCEOptions, Tuning
-from .collectives import GatherReplicated, GatherSummed, GatherTokens, ScaleGrad, all_gather
+from .collectives import (
+    GatherReplicated,
+    GatherSummed,
+    GatherTokens,
+    ScaleGrad,
+    SumGrad,
+    all_gather,
+    all_reduce_,
+)
 from .setup import Layout, check_setup, from_dtensor, replicated_local
 
 # ---------------------------------------------------------------------------------------------
@@ -75,16 +98,15 @@ def _local_problem_targets(lc: _Local) -> torch.Tensor:
 
 
 class _LocalStats(torch.autograd.Function):
-    """(lse, tgt, ssum) of this rank's block; backward takes upstream gradients on them."""
+    """impl="torch": (lse, tgt, ssum) of this rank's block; backward takes upstream gradients on
+    them (the chunked loop's fp32 gradients; dE summed over ``group`` in fp32 when given)."""
 
     @staticmethod
-    def forward(ctx, e2d, c, bias, lc: _Local, impl: str, group):
+    def forward(ctx, e2d, c, bias, lc: _Local, group):
         t = _local_problem_targets(lc)
-        lse, tgt, ssum = block_stats(
-            impl, e2d, c, bias, lc.weight, lc.rows, t, lc.softcap, lc.smoothing, lc.tuning
-        )
+        lse, tgt, ssum = block_stats(e2d, c, bias, lc.weight, lc.rows, t, lc.softcap, lc.smoothing, lc.tuning)
         tgt = torch.where(lc.local_t >= 0, tgt, 0.0)  # the stand-in target of rows on other ranks
-        ctx.lc, ctx.impl, ctx.group = lc, impl, group
+        ctx.lc, ctx.group = lc, group
         ctx.save_for_backward(e2d, c, bias, lse, tgt)
         if ssum is None:
             ssum = lse.new_zeros(0)
@@ -97,26 +119,26 @@ class _LocalStats(torch.autograd.Function):
         need_de, need_dc, need_db = ctx.needs_input_grad[:3]
         need_db = need_db and bias is not None
         if not (need_de or need_dc or need_db):
-            return None, None, None, None, None, None
+            return None, None, None, None, None
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
         alpha = torch.where(lc.valid, g_lse.to(lse.dtype), zero)
         beta = torch.where(lc.valid & (lc.local_t >= 0), -g_tgt.to(lse.dtype), zero)
         gamma = torch.where(lc.valid, -g_ssum.to(lse.dtype), zero) if lc.smoothing else None
         dE, dC, db = block_grads(
-            ctx.impl, e2d, c, bias, lc.weight, lc.rows, _local_problem_targets(lc), lse, alpha, beta, gamma,
+            e2d, c, bias, lc.weight, lc.rows, _local_problem_targets(lc), lse, alpha, beta, gamma,
             lc.softcap, lc.filter_eps, need_de, need_dc, need_db, lc.tuning,
         )  # fmt: skip
         if need_de and ctx.group is not None:
             # This block's share of dE; the full dE is the sum over ranks, reduced in the
             # accumulation dtype and rounded to e's dtype once. (Every rank needs dE here: the
             # set-up check compared e.requires_grad across ranks.)
-            dist.all_reduce(dE, group=ctx.group)
+            all_reduce_(dE, ctx.group)
         # Cast one gradient at a time, dropping each fp32 buffer before the next cast, so the
         # peak holds one fp32 / low-precision pair, not all of them.
         dE = dE.to(e2d.dtype) if need_de else None
         dC = dC.to(c.dtype) if need_dc else None
         db = db.to(bias.dtype) if need_db else None
-        return dE, dC, db, None, None, None
+        return dE, dC, db, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,9 +164,18 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
         filter_eps=opts.resolved_filter_eps(e2d.dtype),
         tuning=opts.resolved_tuning,
     )
-    # Replicated tokens: the local op all-reduces dE itself. Sharded tokens: the all-gather of
-    # the tokens reduce-scatters it in its backward.
-    lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, impl, None if tokens_sharded else group)
+    # Replicated tokens: dE is summed over the ranks (triton: SumGrad, in e's dtype; torch: the
+    # local op, in fp32). Sharded tokens: the all-gather of the tokens reduce-scatters it.
+    if impl == "triton":
+        e_in = e2d if tokens_sharded or not needs_grad(e2d) else SumGrad.apply(e2d, group)
+        t = _local_problem_targets(lc)
+        lse_r, tgt_r, ssum_r = triton_block_stats(
+            e_in, c, bias, weight, rows, t, lc.softcap, smoothing, lc.filter_eps, needs_grad(e2d),
+            needs_grad(c), needs_grad(bias), lc.tuning,
+        )  # fmt: skip
+        tgt_r = torch.where(inblk, tgt_r, 0.0)  # the stand-in target of rows on other ranks
+    else:
+        lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, None if tokens_sharded else group)
 
     # One all-gather of everything the loss needs: lse, tgt[, ssum][, w_t, W] per rank.
     parts = [lse_r, tgt_r]
@@ -206,13 +237,14 @@ def vocab_parallel_with_options(
     process_group=None,
     *,
     check_replicated: bool = True,
+    check: str = "once",
 ):
     """:func:`linear_cross_entropy_vocab_parallel` with its options in a :class:`CCEOptions`
     (the form ``cce.linear_cross_entropy_with_options`` dispatches to)."""
     c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
     e = replicated_local("e", e)
     targets = replicated_local("targets", targets)
-    lay = check_setup(e, c, targets, bias, weight, opts, group, check_replicated, global_V)
+    lay = check_setup(e, c, targets, bias, weight, opts, group, check_replicated, global_V, check=check)
     impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     out = _stats_loss(e2d, rows, tgt, c, bias, weight, opts, lay, impl, group, tokens_sharded=False)
@@ -278,6 +310,7 @@ def linear_cross_entropy_vocab_parallel(
     impl: str = "auto",
     return_lse: bool = False,
     check_replicated: bool = True,
+    check: str = "once",
 ):
     """:func:`cce.linear_cross_entropy` with the classifier split by vocabulary rows over ranks.
 
@@ -291,7 +324,13 @@ def linear_cross_entropy_vocab_parallel(
         bias, weight: this rank's blocks ``(V_local,)`` of the bias and class weights.
         process_group: the group the vocabulary is split over (None with a DTensor ``c_local``).
         check_replicated: compare checksums of ``e`` and ``targets`` across ranks (two
-            reductions over ``e``; always on unless disabled here).
+            reductions over ``e``, with the set-up check; on unless disabled here).
+        check: ``"once"`` (default): the set-up check (every rank's block size, shapes, options,
+            checksums; one all-gather read on the host) runs at the first call of each set-up
+            (group, shapes, dtypes, options) and its result is cached, so that later calls make
+            no host synchronisation (CUDA-graph capture, torch.compile). ``"always"``: at every
+            call, as do ``CCE_DEBUG=1`` and anomaly detection (set alike on every rank). A group
+            of one rank has nothing to compare and runs the local checks only.
         Other options: as :func:`cce.linear_cross_entropy`.
 
     Returns:
@@ -312,5 +351,5 @@ def linear_cross_entropy_vocab_parallel(
         return_lse=return_lse,
     )
     return vocab_parallel_with_options(
-        e, c_local, targets, bias, weight, opts, process_group, check_replicated=check_replicated
+        e, c_local, targets, bias, weight, opts, process_group, check_replicated=check_replicated, check=check
     )

@@ -88,6 +88,24 @@ TRITON_CASES: dict[str, dict] = {
         bias=True, weight=True, opts=dict(impl="triton", label_smoothing=0.2, reduction="sum")
     ),
     "triton_filter_auto": dict(bias=True, opts=dict(impl="triton", filter_eps="auto")),
+    # The sparse backward (the single-device fast path) on every block: with a threshold far
+    # below the softmax entries here, the skipped tiles' mass is < 1e-9 per entry and both sides
+    # are exact up to fp32 rounding, so the per-block coefficients (alpha = g_lse, beta = -g_tgt,
+    # gamma = -g_ssum through local.triton_block_stats) are compared at TOL_FP32. The stand-in
+    # target of rows whose target is on another rank is every rank's case here.
+    "triton_sparse": dict(
+        tuning=dict(backward="sparse"), opts=dict(impl="triton", filter_eps=1e-9, shift=True)
+    ),
+    "triton_sparse_everything": dict(
+        weight=True,
+        split="skewed",
+        tuning=dict(backward="sparse"),
+        opts=dict(impl="triton", filter_eps=1e-9, label_smoothing=0.2, z_loss=1e-3, return_lse=True),
+    ),
+    "triton_sparse_softcap_none": dict(
+        tuning=dict(backward="sparse"),
+        opts=dict(impl="triton", filter_eps=1e-9, softcap=4.0, reduction="none"),
+    ),
 }
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # filter_eps with impl="torch": every rank filters its own block with impl="torch"'s CPU tile
@@ -96,6 +114,14 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # skipped set is one helpers.filter_error_bounds covers: the error vs the fp64 oracle stays within
 # that proven bound plus fp32 rounding (filter_eps=1e-3 on peaked logits, so tiles are skipped).
 FILTER_CASES = {"filter_1e-3": dict(opts=dict(filter_eps=1e-3), scale=16.0)}
+# impl="triton"'s sparse backward per block (the single-device fast path, interpreter): the block
+# filters on its own softmax p_loc = p exp(lse - lse_r) >= p, so every entry it skips has
+# p < eps as well, and the same bound applies (cce/distributed/vocab_parallel.py).
+TRITON_FILTER_CASES = {
+    "triton_filter_sparse_1e-3": dict(
+        opts=dict(filter_eps=1e-3), impl="triton", tuning=dict(backward="sparse"), scale=16.0
+    )
+}
 DTENSOR_CASES = ("dtensor", "dtensor_bias_shift")
 # Data parallel (each rank its own tokens, different counts) with the classifier split by rows:
 # vocab_parallel_sharded_tokens against one process on each rank's own tokens.
@@ -196,7 +222,7 @@ def _eq_case(name, spec, rank, world, group):
     block = slice(start, start + sizes[rank])
     # A small chunk budget (one device and every block share impl="torch"'s loop) makes
     # several row chunks.
-    fn = tuned(chunk_bytes=spec.get("chunk_bytes"))
+    fn = tuned(chunk_bytes=spec.get("chunk_bytes"), **spec.get("tuning", {}))
     ref = loss_and_grads(
         lambda *a, **k: fn(*a, weight=w, impl=impl, **k),
         _leaf(e),
@@ -223,6 +249,7 @@ def _eq_case(name, spec, rank, world, group):
 def _filter_case(name, spec, rank, world, group):
     e, c, t, b, w = _inputs(name, spec)
     opts = spec["opts"]
+    vp = tuned(**spec.get("tuning", {}))
     sizes = _split(world, "even")
     start = sum(sizes[:rank])
     block = slice(start, start + sizes[rank])
@@ -238,7 +265,7 @@ def _filter_case(name, spec, rank, world, group):
         None,
     )
     par = run(
-        lambda *a, **k: linear_cross_entropy_vocab_parallel(*a, process_group=group, **k),
+        lambda *a, **k: vp(*a, process_group=group, impl=spec.get("impl", "auto"), **k),
         _leaf(e),
         _leaf(c, block),
         t,
@@ -571,8 +598,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
                 _eq_case(name, EQ_CASES[name], rank, world, group)
             elif name in TRITON_CASES:
                 _eq_case(name, TRITON_CASES[name], rank, world, group)
-            elif name in FILTER_CASES:
-                _filter_case(name, FILTER_CASES[name], rank, world, group)
+            elif name in FILTER_CASES or name in TRITON_FILTER_CASES:
+                _filter_case(name, {**FILTER_CASES, **TRITON_FILTER_CASES}[name], rank, world, group)
             elif name in SHARDED_TOKEN_CASES:
                 _sharded_tokens_case(name, SHARDED_TOKEN_CASES[name], rank, world, group)
             elif name in DTENSOR_CASES:
@@ -604,6 +631,7 @@ ALL_CASES = [
     *EQ_CASES,
     *(TRITON_CASES if INTERPRETING else ()),
     *FILTER_CASES,
+    *(TRITON_FILTER_CASES if INTERPRETING else ()),
     *DTENSOR_CASES,
     *SHARDED_TOKEN_CASES,
     *ERROR_CASES,

@@ -1,53 +1,107 @@
 """The interface a vocabulary-parallel rank (cce/distributed/) uses: the statistics of one block
-of the classifier, and its gradients from per-row coefficients, by either implementation.
+of the classifier, and their gradients, by either implementation.
 
     block_stats -> (lse, tgt, ssum) per problem row over this block's classes (cce/_math.py)
-    block_grads -> (dE, dC, dbias) for dZ = (alpha p - beta [v == t] - gamma w) softcap'(z),
-                   p = exp(L - lse) with the block's lse
+
+impl="triton" (:func:`triton_block_stats`): the single-device custom op
+(triton_impl.linear_ce_triton_fwd) on the block, differentiable: its forward gathers the same
+tile statistics and vocabulary order as one device, and its backward is the one device's
+(sparse, recomputing or exact, chosen by cce._dispatch.linear_backward), writing dE into the
+forward's stash in e's dtype (no fp32 gradient buffers). The block is posed as a one-device
+problem whose upstream gradients are the rank's (below).
+
+impl="torch" (:func:`block_stats`, :func:`block_grads`): the chunked loop, with the gradients
+from per-row coefficients for dZ = (alpha p - beta [v == t] - gamma w) softcap'(z), p = exp(L -
+lse) with the block's lse.
 
 Targets are block-local ids with ignore_index -1 (a stand-in id for rows whose target lives on
-another rank: their beta is 0).
+another rank: the caller zeroes their target logit, so their beta is 0).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..._dispatch import linear_backward
 from ...options import Tuning
 from . import chunked
 
+# The forward op's arguments of the per-token outputs (cce.LossOutputs), which a block never asks
+# for: the loss and lse at temperature 1, no entropy or argmax.
+_NO_OUTPUTS = dict(temperature=1.0, entropy=False, argmax=False)
+
+
+def triton_block_stats(
+    e2d, c, bias, weight, rows, targets, softcap: float, smoothing: bool, filter_eps: float,
+    need_de: bool, need_dc: bool, need_dbias: bool, tuning: Tuning,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """(lse, tgt, ssum or None) per problem row of the block, fp32, 0 at ignored rows, through
+    the single-device forward op, so that autograd runs its backward.
+
+    The op's block problem has reduction "none", no z-loss, and label smoothing 1 when the rank
+    needs ssum (0 otherwise, and no class weights). Its per-row outputs are then (cce/_math.py,
+    with W_r = sum of the block's class weights, V_r its classes)
+
+        loss_i = (W_r lse_i - ssum_i) / V_r     (smoothing 1: the target term's factor 1 - 1 = 0)
+
+    so ssum_i = W_r lse_i - V_r loss_i. For upstream gradients (a, b, s) on (lse, tgt, ssum) the
+    op receives g = -V_r s on its loss, h = a + W_r s on lse and u = b on the target logit, and
+    forms the coefficients (triton_backward.loss_coefficients) alpha = g W_r / V_r + h = a,
+    beta = -u = -b, gamma = g / V_r = -s: the rank's logit gradient a p + b [v == t] + s w,
+    with p the block's softmax. (alpha is a difference of fp32 terms of size |s| W_r: its error,
+    2^-24 |s| W_r, is that relative part of the smoothing term's mass s W_r, negligible.)
+    Without smoothing g is 0 (no gradient reaches the loss output) and alpha = h, beta = -u
+    exactly.
+
+    The backward algorithm is the one device's choice for this block (V_r classes), without the
+    fused path, whose upstream gradient must be one scalar (here it is per row).
+    """
+    from .triton_impl import linear_ce_triton_fwd  # triton is optional: imported on use
+
+    N, (V, D) = targets.numel(), c.shape
+    ls = 1.0 if smoothing else 0.0
+    algo = linear_backward(
+        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, ls, 2.0 * N * V * D, c.is_cuda, classes=V
+    )
+    stats = algo == "sparse"
+    eps = 0.0 if algo == "exact" else filter_eps
+    args = dict(
+        e2d=e2d, c=c, bias=bias, weight=weight if smoothing else None, rows=rows, targets=targets,
+        ignore_index=-1, reduction="none", softcap=softcap, label_smoothing=ls, z_loss=0.0, filter_eps=eps,
+        stats=stats, stash=stats and need_de, stats_chain_tiles=tuning.stats_chain_tiles,
+        dz_slab_bytes=tuning.dz_slab_bytes, de_block_slots=tuning.de_block_slots,
+        dc_scratch_tiles=tuning.dc_scratch_tiles, stash_move_bytes=tuning.stash_move_bytes,
+        dense_slabs=tuning.dense_slabs, dense_kept=tuning.dense_kept, slab_error=tuning.slab_error,
+        slab_error_dc=tuning.slab_error_dc, dense_slab_bytes=tuning.dense_slab_bytes,
+        first_order=tuning.first_order,
+    )  # fmt: skip
+    # By name: the op's fields of per-token outputs (none here) take their neutral values.
+    fields = linear_ce_triton_fwd.args_type._fields
+    out = linear_ce_triton_fwd(*(args[f] if f in args else _NO_OUTPUTS[f] for f in fields))
+    loss, lse, tgt = out[0], out[1], out[8]
+    ssum = None
+    if smoothing:
+        W = float(V) if weight is None else weight.float().sum()
+        ssum = W * lse - V * loss
+    return lse, tgt, ssum
+
 
 def block_stats(
-    impl: str, e2d, c, bias, weight, rows, targets, softcap: float, smoothing: bool, tuning: Tuning
+    e2d, c, bias, weight, rows, targets, softcap: float, smoothing: bool, tuning: Tuning
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(lse, tgt, ssum or None) per problem row (fp32 for "triton", the accumulation dtype for
-    "torch"), 0 at ignored rows."""
-    if impl == "torch":
-        return chunked.forward_stats(
-            e2d, c, bias, weight, rows, targets, -1, softcap, smoothing, tuning.chunk_bytes
-        )
-    from .triton_impl import forward_stats  # triton is optional: imported on use
-
-    return forward_stats(e2d, c, bias, weight, rows, targets, -1, softcap, smoothing)
+    """impl="torch": (lse, tgt, ssum or None) per problem row in the accumulation dtype, 0 at
+    ignored rows (not differentiable: block_grads is their backward)."""
+    return chunked.forward_stats(
+        e2d, c, bias, weight, rows, targets, -1, softcap, smoothing, tuning.chunk_bytes
+    )
 
 
 def block_grads(
-    impl: str, e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, softcap: float,
+    e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, softcap: float,
     filter_eps: float, need_de: bool, need_dc: bool, need_dbias: bool, tuning: Tuning,
 ):  # fmt: skip
-    """(dE, dC, dbias), None where not needed: fp32 (dC in c's dtype on the exact Triton path),
-    the accumulation dtype for "torch"."""
-    if impl == "torch":
-        return chunked.backward_coeffs(
-            e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, -1, softcap, filter_eps,
-            need_de, need_dc, need_dbias, tuning.chunk_bytes,
-        )  # fmt: skip
-    from .rows import kernel_operands
-    from .triton_backward import coefficient_backward
-
-    e2d_k, c_k, bias_k, weight_k = kernel_operands(e2d, c, bias, weight)
-    return coefficient_backward(
-        e2d_k, c_k, bias_k, weight_k, rows, targets, lse.float(), alpha.float(), beta.float(),
-        None if gamma is None else gamma.float(), -1, softcap, filter_eps, need_de, need_dc, need_dbias,
-        tuning.dz_slab_bytes,
+    """impl="torch": (dE, dC, dbias) in the accumulation dtype, None where not needed."""
+    return chunked.backward_coeffs(
+        e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, -1, softcap, filter_eps,
+        need_de, need_dc, need_dbias, tuning.chunk_bytes,
     )  # fmt: skip
