@@ -4,7 +4,9 @@ One group of 2 and one of 3 processes (torch.multiprocessing spawn, a free port)
 below once; each case's outcome on each rank comes back in a JSON file and is one pytest item.
 Equality cases compare the distributed loss, lse and gradients with the single-process result
 (impl="torch" on the whole classifier) under the same random upstream gradients; error cases
-check that every rank raises a clear error (none hangs: gloo's timeout is short).
+check that every rank raises a clear error (none hangs: gloo's timeout is short), with the set-up
+checked at every call; cache cases test the default, checked once per set-up. A group of one
+process runs the world-size-1 cases (equality with one device, torch.compile).
 """
 
 from __future__ import annotations
@@ -145,6 +147,17 @@ ERROR_CASES = (
     "err_dtensor_not_covering",
     "err_no_group",
 )
+# The set-up check's cache (check="once", the default): checked at a set-up's first call on every
+# rank, then no collective (a rank's e perturbed alone goes unnoticed, as documented); every call
+# with check="always", CCE_DEBUG=1 or anomaly detection; a new set-up (shapes) checked again.
+CACHE_CASES = ("cache_once", "cache_new_setup")
+# ... and a cached set-up traces under torch.compile(fullgraph=True) (impl="triton": interpreter).
+CACHE_COMPILE_CASES = ("cache_compile",)
+# A group of one rank (bench.dist's one-GPU emulation): no set-up collective; impl="triton"'s
+# sparse backward equals the single-device call's (the same vocabulary tiles: only the per-row
+# coefficients' rounding differs); a step traces under torch.compile(fullgraph=True) (the
+# interpreter's kernels behind the custom ops; backend aot_eager: no C++ compiler needed).
+WORLD1_CASES = ("w1_sparse_equal", "w1_compile_fullgraph")
 FSDP_CASES = ("fsdp_head_separate", "fsdp_head_vocab_parallel", "fsdp_root_only_inside_forward")
 # cce.linear_cross_entropy(..., process_group=) and a DTensor classifier through the public API
 # (run once cce.linear forwards them to cce.distributed).
@@ -370,8 +383,10 @@ def _error_case(name, rank, world, group):
     cl = c.detach()[start : start + sizes[rank]]
     ed = e.detach()
 
+    # check="always": these calls share set-ups (shapes, options) with other cases, whose checked
+    # set-ups the default check="once" caches (cache_* cases test that mode).
     def vp(e_, c_, t_, **k):
-        return linear_cross_entropy_vocab_parallel(e_, c_, t_, process_group=group, **k)
+        return linear_cross_entropy_vocab_parallel(e_, c_, t_, process_group=group, check="always", **k)
 
     last = rank == world - 1
     if name == "err_e_mismatch":
@@ -415,12 +430,96 @@ def _error_case(name, rank, world, group):
         mesh = init_device_mesh("cpu", (world,))
         # A DTensor claiming more rows than its shards hold (run_check=False skips torch's check).
         c_dt = DTensor.from_local(cl, mesh, [Shard(0)], run_check=False, shape=(V + 5, D), stride=(D, 1))
-        _expect(lambda: linear_cross_entropy_vocab_parallel(ed, c_dt, t), ValueError, "do not cover")
+        _expect(
+            lambda: linear_cross_entropy_vocab_parallel(ed, c_dt, t, check="always"),
+            ValueError,
+            "do not cover",
+        )
     elif name == "err_no_group":
         _expect(lambda: linear_cross_entropy_vocab_parallel(ed, cl, t), ValueError, "process_group")
     else:
         raise KeyError(name)
     dist.barrier(group)  # every rank got here: nobody hangs in a collective
+
+
+def _cache_case(name, rank, world, group):
+    # (2, 5 + world) tokens: a set-up no other case uses (the cache is per process and group).
+    g = torch.Generator().manual_seed(_seed(name))
+    e, c, t, _ = make_linear_inputs((2, 5 + world), D, V, torch.float32, ignore_frac=0.1, generator=g)
+    sizes = _split(world, "even")
+    cl = c[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
+    last = rank == world - 1
+    e_bad = e + 1e-3 if last else e
+
+    def vp(e_, t_=t, **k):
+        return linear_cross_entropy_vocab_parallel(e_, cl, t_, process_group=group, impl="torch", **k)
+
+    if name == "cache_once":
+        # A set-up's first call is checked on every rank (a failed check caches nothing).
+        _expect(lambda: vp(e_bad), ValueError, "e differs across ranks")
+        ref = vp(e, check="always")
+        assert torch.equal(vp(e), ref)  # checked and cached
+        assert torch.equal(vp(e), ref)  # from the cache: the same layout
+        vp(e_bad)  # from the cache: no collective check, so no error (documented)
+        _expect(lambda: vp(e_bad, check="always"), ValueError, "e differs across ranks")
+        os.environ["CCE_DEBUG"] = "1"
+        try:
+            _expect(lambda: vp(e_bad), ValueError, "e differs across ranks")
+        finally:
+            del os.environ["CCE_DEBUG"]
+        with torch.autograd.set_detect_anomaly(True):
+            _expect(lambda: vp(e_bad), ValueError, "e differs across ranks")
+    elif name == "cache_compile":
+        el = e.clone().requires_grad_()
+        cb = cl.clone().requires_grad_()
+
+        def step(e_, c_):
+            return linear_cross_entropy_vocab_parallel(e_, c_, t, process_group=group, impl="triton")
+
+        eager = step(el, cb)  # checks and caches the set-up
+        ge, gc = torch.autograd.grad(eager, (el, cb))
+        comp = torch.compile(step, fullgraph=True, backend="aot_eager")(el, cb)
+        ge2, gc2 = torch.autograd.grad(comp, (el, cb))
+        assert (
+            rel_err(comp, eager) <= TOL_FP32 and rel_err(ge2, ge) <= TOL_FP32 and rel_err(gc2, gc) <= TOL_FP32
+        )
+    elif name == "cache_new_setup":
+        vp(e)  # cached
+        # A different N is a new set-up on every rank: checked, here an option differs.
+        ls = 0.1 if last else 0.0
+        _expect(lambda: vp(e[:1], t[:1], label_smoothing=ls), ValueError, "'label_smoothing' differs")
+        _expect(lambda: vp(e, check="sometimes"), ValueError, "check must be one of")
+    else:
+        raise KeyError(name)
+    dist.barrier(group)
+
+
+def _world1_case(name, rank, world, group):
+    e, c, t, b, w = _inputs(name, dict(weight=True))
+    fn = tuned(backward="sparse")
+    opts = dict(impl="triton", filter_eps=1e-3, shift=True, label_smoothing=0.1)
+
+    def vp(e_, c_, t_, b_=None, **k):
+        return fn(e_, c_, t_, b_, weight=w, process_group=group, **opts, **k)
+
+    if name == "w1_sparse_equal":
+        ref = loss_and_grads(lambda *a, **k: fn(*a, weight=w, **opts, **k), _leaf(e), _leaf(c), t, None,
+                             generator=torch.Generator().manual_seed(3), reduction="none")  # fmt: skip
+        got = loss_and_grads(
+            vp, _leaf(e), _leaf(c), t, None, generator=torch.Generator().manual_seed(3), reduction="none"
+        )
+        _compare(name, got, ref, TOL_FP32, slice(None))
+    elif name == "w1_compile_fullgraph":
+        el, cl = _leaf(e), _leaf(c)
+        eager = vp(el, cl, t)
+        ge, gc = torch.autograd.grad(eager, (el, cl))
+        comp = torch.compile(vp, fullgraph=True, backend="aot_eager")(el, cl, t)
+        ge2, gc2 = torch.autograd.grad(comp, (el, cl))
+        assert (
+            rel_err(comp, eager) <= TOL_FP32 and rel_err(ge2, ge) <= TOL_FP32 and rel_err(gc2, gc) <= TOL_FP32
+        )
+    else:
+        raise KeyError(name)
 
 
 class _Model(torch.nn.Module):
@@ -606,6 +705,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
                 _dtensor_case(name, rank, world, group)
             elif name in ERROR_CASES:
                 _error_case(name, rank, world, group)
+            elif name in CACHE_CASES or name in CACHE_COMPILE_CASES:
+                _cache_case(name, rank, world, group)
+            elif name in WORLD1_CASES:
+                _world1_case(name, rank, world, group)
             elif name in FSDP_CASES:
                 _fsdp_case(name, rank, world, group)
             elif name in API_CASES:
@@ -635,13 +738,18 @@ ALL_CASES = [
     *DTENSOR_CASES,
     *SHARDED_TOKEN_CASES,
     *ERROR_CASES,
+    *CACHE_CASES,
+    *(CACHE_COMPILE_CASES if INTERPRETING else ()),
     *FSDP_CASES,
 ]
 HF_ACTIVE = HF_CASES if transformers is not None else ()
 
 
 def _run_group(world: int, tmp: Path) -> dict[str, list[str]]:
-    names = ALL_CASES + list(API_CASES if API_INTEGRATED else ()) + list(HF_ACTIVE if world == 2 else ())
+    if world == 1:
+        names = list(WORLD1_CASES)
+    else:
+        names = ALL_CASES + list(API_CASES if API_INTEGRATED else ()) + list(HF_ACTIVE if world == 2 else ())
     mp.spawn(_worker, args=(world, _free_port(), str(tmp), names), nprocs=world, join=True)
     out: dict[str, list[str]] = {}
     for r in range(world):
@@ -661,6 +769,19 @@ def group_results(request, tmp_path_factory):
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_distributed(group_results, case):
     _check(group_results, case)
+
+
+@pytest.fixture(scope="module")
+def world1_results(tmp_path_factory):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    return 1, _run_group(1, tmp_path_factory.mktemp("world1"))
+
+
+@pytest.mark.skipif(not INTERPRETING, reason="impl='triton' on CPU tensors needs the Triton interpreter")
+@pytest.mark.parametrize("case", WORLD1_CASES)
+def test_world_size_one(world1_results, case):
+    _check(world1_results, case)
 
 
 @pytest.mark.skipif(not API_INTEGRATED, reason="cce.linear_cross_entropy has no process_group yet")
