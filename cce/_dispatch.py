@@ -35,13 +35,14 @@ def triton_available() -> bool:
     return True
 
 
-def impl_for_outputs(opts: CCEOptions, impl: str) -> str:
+def impl_for_outputs(opts: CCEOptions, impl: str, linear: bool = False) -> str:
     """``impl`` ('torch' or 'triton', from select_impl) for a call with ``opts``' temperature and
-    per-token outputs: the Triton kernels take no temperature and form neither the entropy nor
-    the argmax yet (issue 18; the log-probabilities they give), so "auto" runs the PyTorch
-    implementation (chunked, on the same device) for such calls and an explicit "triton" raises."""
+    per-token outputs. The linear level's kernels form them all (``linear``); the logits level's
+    take no temperature and form neither the entropy nor the argmax yet (the log-probabilities
+    they give), so there "auto" runs the PyTorch implementation (on the same device) for such
+    calls and an explicit "triton" raises."""
     kernel_outputs = opts.return_entropy or opts.return_argmax or opts.return_accuracy
-    if impl != "triton" or (opts.temperature == 1.0 and not kernel_outputs):
+    if linear or impl != "triton" or (opts.temperature == 1.0 and not kernel_outputs):
         return impl
     if opts.impl == "triton":
         raise NotImplementedError(
@@ -49,6 +50,14 @@ def impl_for_outputs(opts: CCEOptions, impl: str) -> str:
             "accuracy outputs; use impl='torch' or impl='auto'"
         )
     return "torch"
+
+
+def outputs_exact(temperature: float, entropy: bool, argmax: bool) -> bool:
+    """Whether a linear-level Triton call takes the unfused forward and the exact backward for its
+    outputs: a temperature, the entropy (whose gradient term eta p z is outside the filter's
+    bound and the fused path's precomputed gradients) or the argmax (formed by the unfused
+    forward kernel only)."""
+    return temperature != 1.0 or entropy or argmax
 
 
 def select_impl(impl: str, device: torch.device) -> str:

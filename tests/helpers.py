@@ -353,5 +353,37 @@ def triton_training_forward(e, c, t, eps: float, tuning):
         e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, False, tuning.stats_chain_tiles,
         tuning.dz_slab_bytes, tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
         tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc,
-        tuning.dense_slab_bytes, tuning.first_order,
+        tuning.dense_slab_bytes, tuning.first_order, 1.0, False, False,
     )  # fmt: skip
+
+
+def captured_step(step, shape, regime: str, seed: int):
+    """Captures ``step(e, c, t)`` (a loss) and its backward in a CUDA graph on inputs of ``seed``,
+    replays it on inputs of ``seed + 1`` copied into the same tensors; returns (the graph's loss,
+    (e, c) holding the replayed gradients, the new inputs)."""
+    from bench.data import make_inputs
+
+    N, D, V = shape
+    e0, c0, t0 = make_inputs(N, D, V, regime, dtype=torch.bfloat16, device="cuda", seed=seed)
+    # Fresh leaves, used only inside the graph's stream (autograd accumulates on their stream).
+    e, c, t = e0.clone().requires_grad_(), c0.clone().requires_grad_(), t0.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # warm-up: compiles the kernels outside the capture
+            e.grad = c.grad = None
+            step(e, c, t).backward()
+    torch.cuda.current_stream().wait_stream(s)
+    e.grad = c.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(e, c, t)
+        out.backward()
+    e2, c2, t2 = make_inputs(N, D, V, regime, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
+    with torch.no_grad():
+        e.copy_(e2)
+        c.copy_(c2)
+        t.copy_(t2)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out, (e, c), (e2, c2, t2)

@@ -241,18 +241,20 @@ def test_wrong_types_name_the_argument(name):
         cce.linear_cross_entropy(e, c, t, **{name: True if name == "temperature" else 1})
 
 
-def test_triton_and_vocab_parallel_not_yet(monkeypatch):
-    """impl="triton" named explicitly with a per-token output or a temperature says it is not
-    supported yet; "auto" runs impl="torch" for them; vocabulary parallelism refuses them."""
-    import cce.ops.linear_ce.api as api
+def test_logits_level_triton_and_vocab_parallel_not_yet(monkeypatch):
+    """The logits level's Triton kernels take no temperature and form no entropy or argmax yet:
+    impl="triton" named explicitly says so, "auto" runs impl="torch" for them; vocabulary
+    parallelism refuses the outputs at the linear level."""
+    import cce.ops.cross_entropy.api as api
 
-    e, c, t = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
+    x, t = torch.randn(3, 7), torch.tensor([1, 2, 3])
     monkeypatch.setattr(api, "select_impl", lambda impl, device: "triton")
     with pytest.raises(NotImplementedError, match="impl='triton'"):
-        cce.linear_cross_entropy(e, c, t, impl="triton", temperature=2.0)
-    out = cce.linear_cross_entropy(e, c, t, return_entropy=True)  # auto: the torch implementation
-    want = linear_cross_entropy_reference(e, c, t, return_entropy=True)
+        cce.cross_entropy(x, t, impl="triton", temperature=2.0)
+    out = cce.cross_entropy(x, t, return_entropy=True)  # auto: the torch implementation
+    want = cce.reference.cross_entropy_reference(x, t, return_entropy=True)
     torch.testing.assert_close(out.entropy, want.entropy)
+    e, c = torch.randn(3, 4), torch.randn(7, 4)
     with pytest.raises(NotImplementedError, match="vocabulary parallelism"):
         cce.linear_cross_entropy(e, c, t, return_argmax=True, process_group=object())
 
@@ -392,3 +394,152 @@ def test_triton_logits_logprobs_are_minus_the_loss(inplace):
     want = grad(g - u, False)
     assert rel_err_(grad(g, True), want) < 1e-5
     assert rel_err_(grad(g, False), want) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# impl="triton" at the linear level (the interpreter on CPU)
+
+
+@st.composite
+def exact_logit_problems(draw):
+    """Problems whose fp32 logits are exact: e and c hold multiples of 1/2 in [-1.5, 1.5], the
+    bias multiples of 1/8, D <= 16 (|z| <= 36 + 1, a multiple of 1/8: exact in fp32), and
+    temperatures with an exact inverse. Ties of the largest logit are frequent."""
+    N, D, V = draw(st.integers(1, 40)), draw(st.integers(1, 16)), draw(st.integers(1, 90))
+    opts = dict(
+        temperature=draw(st.sampled_from([0.5, 1.0, 2.0])),
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.1])),
+        z_loss=draw(st.sampled_from([0.0, 1e-3])),
+        return_lse=True,
+        return_logprobs=draw(st.booleans()),
+        return_entropy=draw(st.booleans()),
+        return_argmax=True,
+        return_accuracy=True,
+    )
+    return (
+        N,
+        D,
+        V,
+        opts,
+        draw(st.booleans()),
+        draw(st.sampled_from([0.0, 0.3, 1.0])),
+        draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(exact_logit_problems())
+def test_triton_outputs_and_gradients_against_oracle(problem):
+    """impl="triton" (the interpreter): the temperature, entropy, argmax and accuracy, and the
+    gradients through every output, against the fp64 oracle, on inputs whose fp32 logits are
+    exact (so the kernels' error is that of their fp32 arithmetic; argmax and accuracy exact).
+
+    Bounds, derived as in the module docstring but for fp32 sums (not fp64 sums rounded once):
+    each of s = sum_v e^(z - m), the entropy's sum_v e^(z - m) (z - m) and the gradient products'
+    sums over V or D carries a relative error <= (V + 4) u against the sum of its terms'
+    magnitudes (one exp2 rounding per term and the summation, u = 2^-24), so
+    - outputs: |err| <= 4 (V + 8) u (1 + |lse| + 2 max|z|) (log s, the entropy's
+      sum_v p |z - m| <= 2 max|z|, the loss's combinations);
+    - gradients: the per-row dZ error bound of the module docstring with (V + 8) u for 8 u, plus
+      the fp32 products dE = dZ @ C, dC = dZ^T @ E ((V + D) u of sum_v |dZ_iv| ||c_v||)."""
+    pytest.importorskip("triton")
+    N, D, V, opts, with_bias, ignore, seed = problem
+    gen = torch.Generator().manual_seed(seed)
+    e = (torch.randint(-3, 4, (N, D), generator=gen) / 2).double().requires_grad_()
+    c = (torch.randint(-3, 4, (V, D), generator=gen) / 2).double().requires_grad_()
+    b = (torch.randint(-8, 9, (V,), generator=gen) / 8).double().requires_grad_() if with_bias else None
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[torch.rand(N, generator=gen) < ignore] = -100
+
+    def tri(e, c, t, b, **kw):
+        return cce.linear_cross_entropy(e, c, t, b, impl="triton", **kw)
+
+    got, ggot, ups = _run(tri, e, c, t, b, seed, **opts)
+    ref, gref, _ = _run(_oracle, e, c, t, b, seed, **opts)
+    z = (e.detach() @ c.detach().T + (0.0 if b is None else b.detach())) / opts["temperature"]
+    zmax = z.abs().amax(1)
+    lse = torch.logsumexp(z, 1).abs()
+    u = U32 * (V + 8)
+    out_bound = 4 * u * (1 + lse + 2 * zmax)
+    for name in ("lse", "logprobs", "entropy"):
+        x, y = getattr(got, name), getattr(ref, name)
+        if not opts[f"return_{name}"]:
+            assert x is None
+            continue
+        assert x.dtype == torch.float32 and x.shape == y.shape, name
+        assert bool(((x.double() - y).abs() <= out_bound).all()), name
+    loss_err = (got.loss.double() - ref.loss).abs()
+    loss_bound = out_bound * (1 + opts["z_loss"] * lse)
+    assert bool((loss_err <= (loss_bound if opts["reduction"] == "none" else loss_bound.sum())).all())
+    assert got.argmax.dtype == torch.int64 and torch.equal(got.argmax, ref.argmax)
+    assert float(got.accuracy) == float(ref.accuracy)
+    bound_opts = {k: v for k, v in opts.items() if not k.startswith("return_")}
+    ref_ent = ref if opts["return_entropy"] else ref._replace(entropy=torch.zeros(N, dtype=torch.float64))
+    _, grad_bound = _bounds(e, c, t, b, ref_ent, ups, **bound_opts)
+    widen = (V + 8) / 8 + (V + D) / 8
+    for name, g, r in zip(("e", "c", "bias"), ggot, gref, strict=False):
+        assert float((g - r).norm()) <= widen * grad_bound[name] + 1e-300, name
+
+
+def test_triton_walks_several_tiles_per_split():
+    """A problem with several vocabulary tiles per program (the interpreter's 32-class tiles, 8
+    "SMs": 13 token blocks of 16 share 64 programs, so about 4 of the 22 tiles each): the running
+    entropy accumulator is rescaled inside a program and ties of the largest logit meet across
+    tiles of one program (duplicated classifier rows at ids 40 and 70, tiles 1 and 2) as well as
+    across programs (id 600). Exact fp32 logits (as above): argmax exact; the entropy within the
+    bound above."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(6)
+    N, D, V = 200, 8, 700
+    e = (torch.randint(0, 4, (N, D), generator=gen) / 2).float()
+    c = (torch.randint(-3, 4, (V, D), generator=gen) / 2).float()
+    c[40] = c[70] = c[600] = 1.5  # the largest logit of every row (e >= 0), three times
+    c[:, 0] += (torch.arange(V) % 5 == 1).float() * 0.5  # other ties elsewhere
+    t = torch.randint(0, V, (N,), generator=gen)
+    e[: N // 2, :] += (torch.arange(D) == 0).float() * 2  # rows whose max is elsewhere
+    out = cce.linear_cross_entropy(e, c, t, impl="triton", return_entropy=True, return_argmax=True)
+    z = e.double() @ c.double().T
+    assert torch.equal(out.argmax, z.argmax(1)) and int((out.argmax == 40).sum()) > N // 4
+    p = torch.softmax(z, 1)
+    H = -(p * torch.log_softmax(z, 1)).sum(1)
+    bound = 4 * U32 * (V + 8) * (1 + z.logsumexp(1).abs() + 2 * z.abs().amax(1))
+    assert bool(((out.entropy.double() - H).abs() <= bound).all())
+
+
+def test_triton_fp16_entropy_gradient_scale():
+    """fp16 operands store dZ times 1 / max_i b_i, b_i a bound of row i's max |dZ|
+    (backward_exact.fp16_dz_bound). With a gradient on the entropy alone alpha_i = delta_i E_p[z]
+    can be far below |eta_i p z|: logits +-2^-20 (two classes) give E_p[z] ~ 2^-40, and a scale
+    from alpha alone overflows fp16. The gradient equals the fp64 oracle's on the same fp16-valued
+    inputs up to dZ's one rounding to fp16, relative 2^-11 or absolute 2^-25 of the scaled value
+    (fp16's subnormal spacing is 2^-24): |dZ err| <= 2^-11 |dZ| + 2^-25 s, s the scale, so
+    ||dE err|| <= || (2^-11 |dZ| + 2^-25 s) @ |C| ||, twice that for slack."""
+    pytest.importorskip("triton")
+    from cce.ops.linear_ce.kernels.backward_exact import fp16_dz_bound
+
+    gen = torch.Generator().manual_seed(5)
+    for tiny in (False, True):
+        N, D, V = (24, 16, 70) if not tiny else (12, 4, 2)
+        e = torch.randn(N, D, generator=gen) / 2
+        c = torch.randn(V, D, generator=gen)
+        if tiny:
+            e = torch.full((N, D), 2.0**-22) * torch.randn(N, 1, generator=gen).sign()
+            c = torch.tensor([[1.0] * D, [-1.0] * D])
+        e, c = e.half().requires_grad_(), c.half()
+        t = torch.randint(0, V, (N,), generator=gen)
+        out = cce.linear_cross_entropy(e, c, t, impl="triton", return_entropy=True, reduction="none")
+        (ge,) = torch.autograd.grad(out.entropy.sum(), (e,))
+        e64, c64 = e.detach().double().requires_grad_(), c.double()
+        ref = linear_cross_entropy_reference(e64, c64, t, return_entropy=True, dtype=torch.float64)
+        (gref,) = torch.autograd.grad(ref.entropy.sum(), (e64,))
+        z = (e64 @ c64.T).detach().requires_grad_()
+        lp = torch.log_softmax(z, 1)
+        (dz,) = torch.autograd.grad(-(lp.exp() * lp).sum(), (z,))
+        lse, H = z.detach().logsumexp(1), ref.entropy.detach()
+        ones = torch.ones_like(lse)
+        scale = float(fp16_dz_bound(ones * (lse - H), -ones, lse, H).amax())
+        per_entry = 2.0**-11 * dz.abs() + 2.0**-25 * scale
+        bound = 2 * float((per_entry @ c64.abs()).norm())
+        assert bool(torch.isfinite(ge).all()), tiny
+        assert float((ge.double() - gref).norm()) <= bound, tiny

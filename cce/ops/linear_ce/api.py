@@ -58,7 +58,7 @@ def _autocast_operands(e, c, bias):
 
 
 def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
-    impl = impl_for_outputs(opts, select_impl(opts.impl, e.device))
+    impl = impl_for_outputs(opts, select_impl(opts.impl, e.device), linear=True)
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)
@@ -80,8 +80,11 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
     else:
         from .triton_impl import linear_ce_triton
 
-        loss, lse, tgt_logit = linear_ce_triton(*args, need_de, need_dc, need_db, opts.resolved_tuning)
-        entropy = argmax = None
+        want_argmax = opts.return_argmax or opts.return_accuracy
+        loss, lse, tgt_logit, entropy, argmax = linear_ce_triton(
+            *args, need_de, need_dc, need_db, opts.resolved_tuning, float(opts.temperature),
+            opts.return_entropy, want_argmax,
+        )  # fmt: skip
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
     return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape))
@@ -147,9 +150,9 @@ def linear_cross_entropy(
         return_argmax: also return the argmax id per token (ties: the smallest id).
         return_accuracy: also return the share of non-ignored tokens whose argmax is the target.
             With any of these four the result is a :class:`cce.LossOutputs` (loss first; the
-            outputs' conventions at ignored tokens are documented there). For now a temperature
-            other than 1 and the entropy, argmax and accuracy run ``impl="torch"`` (``"auto"``
-            picks it on CUDA too); none of the four runs under vocabulary parallelism.
+            outputs' conventions at ignored tokens are documented there). A temperature other
+            than 1, the entropy, argmax and accuracy take the exact backward (no gradient
+            filtering); none of them runs under vocabulary parallelism yet.
         process_group: vocabulary parallelism: ``c`` (and ``bias`` / ``weight``) are this rank's
             contiguous block of classifier rows, ``e`` and ``targets`` (global ids) are the same
             on every rank (see :mod:`cce.distributed`). A ``DTensor`` ``c`` sharded ``Shard(0)``

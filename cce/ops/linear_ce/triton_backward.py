@@ -25,10 +25,14 @@ from .slab_choice import dense_slab_flags, slab_errors
 
 def coefficient_backward(
     e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
-    need_de, need_dc, need_dbias, dz_slab_bytes: int,
+    need_de, need_dc, need_dbias, dz_slab_bytes: int, eta=None, temperature: float = 1.0, entropy=None,
 ):  # fmt: skip
     """(dE, dC, dbias) (None where not needed) for per-row coefficients:
     dZ = (alpha p - beta [v == t] - gamma w) softcap' (gamma None: no smoothing term).
+
+    ``eta`` (the entropy's term eta p z, with the rows' ``entropy``) and a ``temperature`` (the
+    logits softcap(x) / T, the coefficients scaled by 1 / T already) take the exact backward
+    only: the filter's bound and the recomputing kernels assume neither.
 
     filter_eps 0: the exact backward (dZ slabs and cuBLAS); dC in c's dtype, dE and dbias fp32.
     Otherwise the recomputing backward with the vocabulary sorted by mean logit and the skipped
@@ -44,12 +48,16 @@ def coefficient_backward(
     if smoothing:
         gamma = gamma.float()
     eps = 0.0 if (smoothing and softcap > 0) else float(filter_eps)
+    if eta is not None or temperature != 1.0:
+        eps = 0.0
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     args = (e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta))
     if eps == 0:
         # Every term, smoothing included, is in dZ.
         ex = linear_ce_backward_exact(
-            *args, srt(gamma) if smoothing else None, softcap, need_de, need_dc, need_dbias, dz_slab_bytes
+            *args, srt(gamma) if smoothing else None, softcap, need_de, need_dc, need_dbias, dz_slab_bytes,
+            eta=None if eta is None else srt(eta.float()), temperature=temperature,
+            entropy=None if eta is None else srt(entropy.float()),
         )  # fmt: skip
         dE = None
         if ex.dE is not None:
@@ -79,32 +87,43 @@ def coefficient_backward(
 
 
 def loss_coefficients(
-    weight, targets, lse, g, h, ignore_index: int, label_smoothing: float, z_loss: float, V: int, u=None
-):
-    """(alpha, beta, gamma, smoothing) per row of this loss for upstream gradients g (per-row
-    loss), h (lse) and u (the target logit: a log-probability output), cce/_math.py."""
+    weight, targets, lse, g, h, ignore_index: int, label_smoothing: float, z_loss: float, V: int, u=None,
+    delta=None, entropy=None, temperature: float = 1.0,
+):  # fmt: skip
+    """(alpha, beta, gamma, eta, smoothing) per row of this loss for upstream gradients g (per-row
+    loss), h (lse), u (the target logit: a log-probability output) and delta (the entropy, whose
+    forward values are ``entropy``), cce/_math.py; eta is None without delta. With a temperature
+    every coefficient carries the chain rule's 1 / T."""
     k = _math.LossConsts(label_smoothing, z_loss, V)
     valid = targets != ignore_index
     w_t = _math.target_weight(weight, targets, valid)
     W = _math.weight_total(weight, V, targets.device)
     alpha, beta, gamma = _math.coefficients(g, h, lse, w_t, W, valid, k)
-    if u is not None:
-        alpha, beta, _ = _math.output_coefficients(alpha, beta, u, None, lse, None, valid)
-    return alpha, beta, gamma, k.smoothing
+    eta = None
+    if u is not None or delta is not None:
+        alpha, beta, eta = _math.output_coefficients(alpha, beta, u, delta, lse, entropy, valid)
+    if temperature != 1.0:
+        inv_t = 1.0 / temperature
+        alpha, beta, gamma = alpha * inv_t, beta * inv_t, gamma * inv_t
+        eta = None if eta is None else eta * inv_t
+    return alpha, beta, gamma, eta, k.smoothing
 
 
 def loss_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-    filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes: int, u=None,
+    filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes: int, u=None, delta=None, entropy=None,
+    temperature: float = 1.0,
 ):  # fmt: skip
-    """coefficient_backward for upstream gradients g (per-row loss), h (lse) and u (target
-    logit) of this loss."""
-    alpha, beta, gamma, smoothing = loss_coefficients(
-        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, c.shape[0], u
-    )
+    """coefficient_backward for upstream gradients g (per-row loss), h (lse), u (target logit)
+    and delta (entropy) of this loss at a temperature."""
+    alpha, beta, gamma, eta, smoothing = loss_coefficients(
+        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, c.shape[0], u, delta, entropy,
+        temperature,
+    )  # fmt: skip
     return coefficient_backward(
         e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if smoothing else None,
-        ignore_index, softcap, filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes,
+        ignore_index, softcap, filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes, eta, temperature,
+        entropy,
     )  # fmt: skip
 
 
@@ -167,7 +186,7 @@ def sparse_backward(
     V, D = c.shape
     dev = e2d.device
     f32 = torch.float32
-    alpha, beta, gamma, smooth = loss_coefficients(
+    alpha, beta, gamma, _eta, smooth = loss_coefficients(
         weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u
     )
     r = RowOrder(targets, rows, ignore_index)

@@ -21,7 +21,7 @@ import torch
 
 from ... import _math
 from ..._custom_ops import define_op, register_autograd, register_fake
-from ..._dispatch import fused_fits, fused_one_chunk, linear_backward
+from ..._dispatch import fused_fits, fused_one_chunk, linear_backward, outputs_exact
 from ...options import Tuning
 from .kernels.common import stats_blocks
 from .kernels.forward import linear_ce_forward
@@ -58,9 +58,12 @@ class FwdArgs(NamedTuple):
     slab_error_dc: float
     dense_slab_bytes: int
     first_order: bool
+    temperature: float  # the logits are softcap(x) / temperature (not with stats)
+    entropy: bool  # the entropy output (not with stats)
+    argmax: bool  # the argmax output (not with stats)
 
 
-_FWD_OUT = tuple[(torch.Tensor,) * 9]
+_FWD_OUT = tuple[(torch.Tensor,) * 11]
 
 
 def _stats_tiles(V: int, dtype: torch.dtype) -> int:
@@ -69,8 +72,9 @@ def _stats_tiles(V: int, dtype: torch.dtype) -> int:
 
 @define_op("cce::linear_ce_triton_fwd", FwdArgs, _FWD_OUT)
 def linear_ce_triton_fwd(a: FwdArgs):
-    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash, tgt); lse and tgt (each row's target
-    logit) are fp32 (N,), 0 at ignored rows.
+    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash, tgt, entropy, argmax); lse, tgt (each
+    row's target logit) and entropy are fp32 (N,), 0 at ignored rows; argmax int64 (N,), 0 at
+    ignored rows; entropy and argmax are empty where not asked for.
 
     With ``stats`` the next outputs are the encoded tile statistics (tile_stats.encode_tile_stats:
     uint8 masses per sorted row and tile, int8 keep flags per token block and tile), the sorted
@@ -89,9 +93,13 @@ def linear_ce_triton_fwd(a: FwdArgs):
         perm, score = vocab_scores(e2d, c, bias, r)
     t_s = r.safe_t.index_select(0, r.perm)
     st = linear_ce_forward(
-        e2d, c, bias, weight, r.erow_s, t_s, r.n_valid, a.softcap, k.smoothing, perm=perm, eps=a.filter_eps
+        e2d, c, bias, weight, r.erow_s, t_s, r.n_valid, a.softcap, k.smoothing, perm=perm, eps=a.filter_eps,
+        temperature=a.temperature, entropy=a.entropy, argmax=a.argmax,
     )  # fmt: skip
     lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
+    f32 = torch.float32
+    ent = r.unsort(st.entropy) if a.entropy else e2d.new_empty(0, dtype=f32)
+    amax = r.unsort(st.argmax) if a.argmax else e2d.new_empty(0, dtype=torch.long)
     ssum = None if st.ssum is None else r.unsort(st.ssum)
     if a.stats:
         BN = stats_blocks(e2d.dtype)[0]
@@ -116,9 +124,9 @@ def linear_ce_triton_fwd(a: FwdArgs):
         none = e2d.new_empty(0, dtype=torch.float32)
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
-            e2d.new_empty(0), tgt,
+            e2d.new_empty(0), tgt, ent, amax,
         )  # fmt: skip
-    return loss, lse, code, keep, zt_s, perm.int(), score, buf, tgt
+    return loss, lse, code, keep, zt_s, perm.int(), score, buf, tgt, ent, amax
 
 
 def _fwd_fake(a: FwdArgs):
@@ -128,11 +136,13 @@ def _fwd_fake(a: FwdArgs):
     kdt = torch.float32 if e2d.dtype == torch.float64 else e2d.dtype
     loss = e2d.new_empty((N,) if a.reduction == "none" else (), dtype=f32)
     lse = e2d.new_empty((N,), dtype=f32)
+    ent = e2d.new_empty((N,) if a.entropy else (0,), dtype=f32)
+    amax = e2d.new_empty((N,) if a.argmax else (0,), dtype=torch.long)
     if not a.stats:
         none = e2d.new_empty(0, dtype=f32)
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
-            e2d.new_empty(0, dtype=kdt), e2d.new_empty((N,), dtype=f32),
+            e2d.new_empty(0, dtype=kdt), e2d.new_empty((N,), dtype=f32), ent, amax,
         )  # fmt: skip
     BN = stats_blocks(kdt)[0]
     nt = _stats_tiles(V, kdt)
@@ -141,7 +151,7 @@ def _fwd_fake(a: FwdArgs):
         loss, lse, e2d.new_empty((0,) if in_stash else (N, nt), dtype=torch.uint8),
         e2d.new_empty((-(-N // BN), nt), dtype=torch.int8), e2d.new_empty((N,), dtype=f32),
         e2d.new_empty((V,), dtype=torch.int32), e2d.new_empty((V,), dtype=f32),
-        e2d.new_empty(e2d.shape if a.stash else (0,), dtype=kdt), e2d.new_empty((N,), dtype=f32),
+        e2d.new_empty(e2d.shape if a.stash else (0,), dtype=kdt), e2d.new_empty((N,), dtype=f32), ent, amax,
     )  # fmt: skip
 
 
@@ -168,16 +178,21 @@ class BwdArgs(NamedTuple):
     need_dbias: bool
     dz_slab_bytes: int
     u: torch.Tensor | None  # [N] upstream gradient of the target logit output (log-probabilities)
+    delta: torch.Tensor | None  # [N] upstream gradient of the entropy output
+    entropy: torch.Tensor | None  # [N] fp32 the entropy's forward values (with delta)
+    temperature: float
 
 
 @define_op("cce::linear_ce_triton_bwd", BwdArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor])
 def linear_ce_triton_bwd(a: BwdArgs):
     """(dE, dC, dbias) in the dtypes of e2d, c, bias (empty where not needed): the exact or the
-    recomputing backward (triton_backward.loss_backward)."""
+    recomputing backward (triton_backward.loss_backward; exact with an entropy gradient or a
+    temperature)."""
     e2d_k, c_k, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
     dE, dC, db = loss_backward(
         e2d_k, c_k, bias, weight, a.rows, a.targets, a.lse, a.g, a.h, a.ignore_index, a.softcap,
         a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.need_dbias, a.dz_slab_bytes, a.u,
+        a.delta, a.entropy, a.temperature,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None else a.e2d.new_empty(0),
@@ -272,20 +287,22 @@ register_fake(linear_ce_triton_bwd_sparse, _sparse_fake)
 
 
 def _setup_context(ctx, a: FwdArgs, output) -> None:
-    _loss, lse, code, keep, zt, vperm, vscore, stash, _tgt = output
-    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash)
+    _loss, lse, code, keep, zt, vperm, vscore, stash, _tgt, ent, amax = output
+    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash, amax)
     # Unused incoming gradients stay None: materialised, the statistics' would be zero-filled
     # [N, V / 256] tensors alive through the backward.
     ctx.set_materialize_grads(False)
     ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
     ctx.save_for_backward(
-        a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, code, keep, zt, vperm, vscore, stash
+        a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, code, keep, zt, vperm, vscore, stash, ent
     )
 
 
-def _backward(ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, _g_stash, g_tgt):
+def _backward(
+    ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, _g_stash, g_tgt, g_ent, _g_amax
+):  # fmt: skip
     a: FwdArgs = ctx.args
-    e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash = ctx.saved_tensors
+    e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash, ent = ctx.saved_tensors
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
     nothing = (None,) * (len(FwdArgs._fields) - 3)
@@ -298,7 +315,7 @@ def _backward(ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, 
         g = torch.zeros(N, dtype=torch.float32, device=targets.device)
     else:
         g = _math.row_upstream(g_loss, w_t, a.reduction, N).contiguous()
-    if a.stats and not need_db:
+    if a.stats and not need_db:  # (never with an entropy output or a temperature)
         dE, dC = linear_ce_triton_bwd_sparse(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
@@ -314,6 +331,7 @@ def _backward(ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, 
         dE, dC, db = linear_ce_triton_bwd(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, a.ignore_index, a.softcap,
             a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc, need_db, a.dz_slab_bytes, g_tgt,
+            g_ent, ent if g_ent is not None else None, a.temperature,
         )  # fmt: skip
     return (dE if need_de else None, dC if need_dc else None, db if need_db else None, *nothing)
 
@@ -477,24 +495,32 @@ def linear_ce_triton(
     need_dc: bool,
     need_dbias: bool,
     tuning: Tuning,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lse, tgt): tgt each row's target logit (fp32, 0 at ignored rows; differentiable,
-    for log-probabilities). need_de / need_dc / need_dbias (what autograd will ask for) choose the
-    backward (cce._dispatch.linear_backward): for the sparse one the forward also gathers the
-    tile statistics."""
+    temperature: float = 1.0,
+    entropy: bool = False,
+    argmax: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, lse, tgt, entropy, argmax): tgt each row's target logit (fp32, 0 at ignored rows;
+    differentiable, for log-probabilities); entropy (differentiable) and argmax where asked for,
+    else None. need_de / need_dc / need_dbias (what autograd will ask for) choose the backward
+    (cce._dispatch.linear_backward): for the sparse one the forward also gathers the tile
+    statistics. A temperature, the entropy or the argmax take the unfused forward and the exact
+    backward (cce._dispatch.outputs_exact)."""
     N, (V, D) = targets.numel(), c.shape
     flops = 2.0 * N * V * D
-    fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
-    algo = linear_backward(
-        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda, fused,
-        fused_one_chunk(tuning, N, V), classes=V,
-    )  # fmt: skip
+    if outputs_exact(temperature, entropy, argmax):
+        algo = "exact"
+    else:
+        fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
+        algo = linear_backward(
+            tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda,
+            fused, fused_one_chunk(tuning, N, V), classes=V,
+        )  # fmt: skip
     if algo == "fused":
         out = linear_ce_triton_fused(
             e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
             need_de, need_dc, need_dbias, tuning.fused_chunk_bytes, tuning.dz_slab_bytes,
         )  # fmt: skip
-        return out[0], out[1], out[5]
+        return out[0], out[1], out[5], None, None
     if algo == "exact":
         filter_eps = 0.0
     stats = algo == "sparse"
@@ -503,9 +529,9 @@ def linear_ce_triton(
         filter_eps, stats, stats and need_de, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
         tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc, tuning.dense_slab_bytes,
-        tuning.first_order,
+        tuning.first_order, float(temperature), entropy, argmax,
     )  # fmt: skip
-    return out[0], out[1], out[8]
+    return out[0], out[1], out[8], out[9] if entropy else None, out[10] if argmax else None
 
 
 def forward_stats(e2d, c, bias, weight, rows, targets, ignore_index: int, softcap: float, smoothing: bool):

@@ -45,7 +45,7 @@ def _estimates(e, c, t, g, out, width, rows, cm=None):
     """slab_errors with dC's estimates, for per-row upstream gradients g."""
     V = c.shape[0]
     r = RowOrder(t, None, -100)
-    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     alpha_s, beta_s, lse_s = srt(alpha.float()), srt(beta.float()), srt(out[1])
     BN, BV = stats_blocks(torch.float32)
@@ -113,7 +113,7 @@ def test_dc_norm_estimate(kind):
     g = torch.rand(N, generator=torch.Generator().manual_seed(4))
     want = float(_oracle_dc(e, c, t, g).square().sum())
     r = RowOrder(t, None, -100)
-    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     args = (
         e,

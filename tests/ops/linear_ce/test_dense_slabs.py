@@ -48,7 +48,7 @@ def _fwd(e, c, bias, t, eps, tuning: Tuning, **kw):
         opts["z_loss"], eps, True, False, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
         tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc, tuning.dense_slab_bytes,
-        tuning.first_order,
+        tuning.first_order, 1.0, False, False,
     )  # fmt: skip
 
 
@@ -79,7 +79,7 @@ def _setup(N, D, V, *, seed, eps, tuning, bias=None, softcap=0.0, ignore=6):
     out = _fwd(e, c, bias, t, eps, tuning, softcap=softcap)
     r = RowOrder(t, None, -100)
     g = torch.rand(N, generator=torch.Generator().manual_seed(seed))
-    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     s = {
         "e": e, "c": c, "bias": bias, "t": t, "r": r, "code": out[2], "keep": out[3].bool(), "lse": out[1],

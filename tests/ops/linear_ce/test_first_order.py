@@ -91,7 +91,7 @@ def test_slab_errors_first_order_against_float64():
     out = triton_training_forward(e, c, t, EPS, tu)
     r = RowOrder(t, None, -100)
     g = torch.rand(N, generator=torch.Generator().manual_seed(2))
-    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     BN, BV = stats_blocks(torch.float32)
     nt = out[2].shape[1]
@@ -127,7 +127,7 @@ def _model_grads(e, c, t, g, out, fo_on: bool):
     BN, BV = stats_blocks(torch.float32)
     r = RowOrder(t, None, -100)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
-    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
     a = srt(alpha.double()) * (torch.arange(N) < r.n_valid).double()
     b = srt(beta.double())
     E = e.double()[r.erow_s]
@@ -253,7 +253,7 @@ def test_rule_off_where_rank1_meets_the_target():
     out = triton_training_forward(e, c, t, EPS, tu)
     r = RowOrder(t, None, -100)
     g = torch.full((N,), 1.0 / N)
-    alpha, beta, _, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     BN, BV = stats_blocks(torch.float32)
     nt = out[2].shape[1]

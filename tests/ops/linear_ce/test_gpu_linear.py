@@ -21,7 +21,7 @@ import torch
 from bench.data import make_inputs
 from bench.reference import linear_reference, rel_l2
 from cce import Tuning, linear_cross_entropy
-from tests.helpers import skip_rate, tuned
+from tests.helpers import captured_step, skip_rate, tuned
 
 pytestmark = pytest.mark.gpu
 
@@ -33,36 +33,6 @@ def _ref(e, c, t, **kw):
 
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-
-def _captured_step(step, shape, regime: str, seed: int):
-    """Captures ``step(e, c, t)`` (a loss) and its backward in a CUDA graph on inputs of ``seed``,
-    replays it on inputs of ``seed + 1`` copied into the same tensors; returns (the graph's loss,
-    (e, c) holding the replayed gradients, the new inputs)."""
-    N, D, V = shape
-    e0, c0, t0 = make_inputs(N, D, V, regime, dtype=BF, device="cuda", seed=seed)
-    # Fresh leaves, used only inside the graph's stream (autograd accumulates on their stream).
-    e, c, t = e0.clone().requires_grad_(), c0.clone().requires_grad_(), t0.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):  # warm-up: compiles the kernels outside the capture
-            e.grad = c.grad = None
-            step(e, c, t).backward()
-    torch.cuda.current_stream().wait_stream(s)
-    e.grad = c.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(e, c, t)
-        out.backward()
-    e2, c2, t2 = make_inputs(N, D, V, regime, dtype=BF, device="cuda", seed=seed + 1)
-    with torch.no_grad():
-        e.copy_(e2)
-        c.copy_(c2)
-        t.copy_(t2)
-    graph.replay()
-    torch.cuda.synchronize()
-    return out, (e, c), (e2, c2, t2)
 
 
 def _run(e, c, t, bias=None, impl_torch=False, fn=linear_cross_entropy, **kw):
@@ -199,7 +169,7 @@ def test_compile_fullgraph():
 def test_cuda_graph_capture(feps, variant):
     """A fwd+bwd step captures in a CUDA graph (no host sync anywhere) and replays on new data."""
     lce = tuned(**_VARIANTS[variant])
-    out, (e, c), (e2, c2, t2) = _captured_step(
+    out, (e, c), (e2, c2, t2) = captured_step(
         lambda e, c, t: lce(e, c, t, impl="triton", filter_eps=feps), (512, 1024, 8192), "zipf", 5
     )
     ref_loss, ref_dE, ref_dC = _ref(e2, c2, t2)
@@ -308,7 +278,7 @@ def test_cuda_graph_capture_first_order():
     """The default filtered step on random logits (first-order corrections on, decided on the
     device) captures in a CUDA graph and replays on new data within 5e-3."""
     lce = tuned(sparse_min_flops=0)
-    out, (e, c), (e2, c2, t2) = _captured_step(
+    out, (e, c), (e2, c2, t2) = captured_step(
         lambda e, c, t: lce(e, c, t, impl="triton"), (2048, 1024, 32768), "random", 13
     )
     ref_loss, ref_dE, ref_dC = _ref(e2, c2, t2)

@@ -15,6 +15,7 @@ a pointer-load kernel forms each tile with the target term in place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ from .forward import FWD_PROGRAMS_PER_SM_TMA
         "HAS_WEIGHT": lambda a: a["W"] is not None,
         "FOLD_SMOOTH": lambda a: a["Gamma"] is not None,
         "SCALE_DZ": lambda a: a["InvScale"] is not None,
+        "HAS_ETA": lambda a: a["Eta"] is not None,
     }
 )
 @triton.jit
@@ -58,11 +60,12 @@ def _dz_slab_tma_kernel(
     NValid,  # [1] int32
     Lse, Alpha,  # [N] fp32 per sorted row
     Gamma,  # [N] fp32 smoothing coefficient folded into dZ, or None
+    Eta,  # [N] fp32 the entropy's coefficient (eta p z), or None
     DZ,  # [N, slab] operand dtype; column 0 is tile0's first class
     InvScale,  # [1] fp32 1 / max |alpha| (fp16), or None
-    N, V, D, stride_dz, tile0, tile_hi, n_splits, softcap,
+    N, V, D, stride_dz, tile0, tile_hi, n_splits, softcap, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
+    SCALE_DZ: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The dZ slab by tensor descriptors: each program walks its balanced share of the slab's
@@ -88,6 +91,10 @@ def _dz_slab_tma_kernel(
         gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
         if SCALE_DZ:
             gamma = gamma * tl.load(InvScale)
+    if HAS_ETA:
+        eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
+        if SCALE_DZ:
+            eta = eta * tl.load(InvScale)
     t0 = tile0 + (pid_s * (tile_hi - tile0)) // n_splits
     t1 = tile0 + ((pid_s + 1) * (tile_hi - tile0)) // n_splits
     k_tiles = tl.cdiv(D, BLOCK_D)
@@ -110,7 +117,12 @@ def _dz_slab_tma_kernel(
                 L += tl.load(Bias + offs_p, mask=col_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_SOFTCAP:
                 L, th = jm.softcap(L, softcap)
-            dz = alpha[:, None] * jm.exp(L - lse[:, None])  # [BLOCK_N, BLOCK_V]
+            if HAS_TEMP:
+                L = L * inv_temp
+            if HAS_ETA:
+                dz = jm.exp(L - lse[:, None]) * (alpha[:, None] + eta[:, None] * L)
+            else:
+                dz = alpha[:, None] * jm.exp(L - lse[:, None])  # [BLOCK_N, BLOCK_V]
             if FOLD_SMOOTH:
                 if HAS_WEIGHT:
                     w = tl.load(W + offs_p, mask=col_mask, other=0.0).to(tl.float32)
@@ -132,6 +144,7 @@ def _dz_slab_tma_kernel(
         "SCALE_DZ": lambda a: a["InvScale"] is not None,
         "TARGET_LO": lambda a: a["TLo"] is not None,
         "NEED_DBIAS": lambda a: a["dBias"] is not None,
+        "HAS_ETA": lambda a: a["Eta"] is not None,
     }
 )
 @triton.jit
@@ -142,13 +155,15 @@ def _dz_slab_kernel(
     NValid,  # [1] int32
     Lse, Alpha, Beta,  # [N] fp32 per sorted row
     Gamma,  # [N] fp32 smoothing coefficient folded into dZ, or None
+    Eta,  # [N] fp32 the entropy's coefficient (eta p z), or None
     DZ,  # [N, slab] operand dtype; column 0 is tile0's first class
     InvScale,  # [1] fp32 1 / max |alpha| (fp16), or None
     TLo,  # [N] fp32 target entries' rounding remainders, or None
     dBias,  # [V] fp32 (atomics), or None
-    N, V, D, stride_e, stride_c, stride_dz, tile0, softcap,
+    N, V, D, stride_e, stride_c, stride_dz, tile0, softcap, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr, NEED_DBIAS: tl.constexpr, HAS_TEMP: tl.constexpr,
+    HAS_ETA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The dZ slab by pointer loads, one (token block, tile) per program: the full dZ tile
@@ -177,8 +192,8 @@ def _dz_slab_kernel(
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
     is_t = (vid[None, :] == tgt[:, None]) & row_mask[:, None] & col_mask[None, :]
     dz, _p = dense_dz(
-        L, lse, alpha, beta, Gamma, W, offs_n, vid, is_t, row_mask, col_mask, softcap,
-        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT,
+        L, lse, alpha, beta, Gamma, W, Eta, offs_n, vid, is_t, row_mask, col_mask, softcap, inv_temp,
+        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT, HAS_TEMP, HAS_ETA,
     )  # fmt: skip
     if NEED_DBIAS:
         tl.atomic_add(dBias + vid, tl.sum(dz, axis=0), mask=col_mask, sem="relaxed")
@@ -194,17 +209,18 @@ def _dz_slab_kernel(
         "FOLD_SMOOTH": lambda a: a["Gamma"] is not None,
         "SCALE_DZ": lambda a: a["InvScale"] is not None,
         "TARGET_LO": lambda a: a["TLo"] is not None,
+        "HAS_ETA": lambda a: a["Eta"] is not None,
     }
 )
 @triton.jit
 def _dz_target_kernel(
-    Zt,  # [N] fp32 target logits (softcap applied) of the sorted rows
+    Zt,  # [N] fp32 target logits (softcap and temperature applied) of the sorted rows
     Tgt, NValid, Lse, Alpha, Beta,  # per sorted row
-    Gamma, W,  # smoothing coefficient and class weights, or None
+    Gamma, W, Eta,  # smoothing coefficient and class weights, the entropy's coefficient, or None
     DZ, InvScale, TLo,  # as in _dz_slab_kernel
-    v0, v1, stride_dz, softcap,
+    v0, v1, stride_dz, softcap, inv_temp,
     HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr, BLOCK: tl.constexpr,
+    SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr, HAS_ETA: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Overwrites the target entries of a dZ slab (classes [v0, v1)) with their exact value
     (alpha p_t - beta [- gamma w_t]) softcap'(z_t), p_t = exp(z_t - lse), from the target logits:
@@ -219,6 +235,8 @@ def _dz_target_kernel(
     lse = tl.load(Lse + offs, mask=m, other=0.0)
     alpha = tl.load(Alpha + offs, mask=m, other=0.0)
     beta = tl.load(Beta + offs, mask=m, other=0.0)
+    if HAS_ETA:
+        alpha += tl.load(Eta + offs, mask=m, other=0.0) * zt
     v = alpha * tl.exp(zt - lse) - beta
     if FOLD_SMOOTH:
         gamma = tl.load(Gamma + offs, mask=m, other=0.0)
@@ -226,12 +244,26 @@ def _dz_target_kernel(
             gamma *= tl.load(W + t, mask=m, other=0.0).to(tl.float32)
         v -= gamma
     if HAS_SOFTCAP:
-        r = zt / softcap
+        r = zt / (softcap * inv_temp)  # tanh of the capped logit (zt carries the temperature)
         v *= 1.0 - r * r
     vr, back, _inv = round_dz(v, DZ, InvScale, SCALE_DZ)
     tl.store(DZ + offs.to(tl.int64) * stride_dz + (t - v0), vr, mask=m)
     if TARGET_LO:
         tl.store(TLo + offs, v - back, mask=m)
+
+
+def fp16_dz_bound(alpha, eta, lse, entropy) -> torch.Tensor:
+    """Per row, a bound of max_v |dZ_v| / softcap' = max_v p_v |alpha + eta z_v|: fp16 operands
+    store dZ times 1 / (its max over rows), so that alpha p (alpha ~ 1 / N for a "mean") stays
+    above fp16's normal range while nothing overflows. With the entropy's term, writing
+    E_p[z] = lse - H: p_v |alpha + eta z_v| <= |alpha + eta E_p[z]| + |eta| p_v |z_v - E_p[z]|
+    and p_v |z_v - E_p[z]| = p_v |log p_v + H| <= 1 / e + H. (|alpha| alone, the bound without
+    eta, can fall far below it: alpha = delta E_p[z] for a gradient on the entropy alone, near 0
+    for symmetric logits.) Loose where eta dominates and the logits are tiny: dZ then sits in
+    fp16's subnormal range (absolute error 2^-25 of the scale)."""
+    if eta is None:
+        return alpha.abs()
+    return (alpha + eta * (lse - entropy)).abs() + eta.abs() * (entropy + 1 / math.e)
 
 
 @dataclass
@@ -261,15 +293,22 @@ def linear_ce_backward_exact(
     need_dbias: bool,
     slab_bytes: int,
     tma: bool | None = None,
+    eta: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: torch.Tensor | None = None,
 ) -> ExactOut:
     """Exact gradients of the sorted rows ``e2d[erow]`` (tgt, lse, alpha, beta, gamma per sorted
     row; ``gamma`` given folds the smoothing term into dZ) through dZ slabs of at most
     ``slab_bytes``. Extra memory: the slab, the sorted rows of e and dE's fp32 buffer.
 
     ``tma`` (default: common.use_tma, without a bias gradient) forms the slabs by the
-    tensor-descriptor kernel.
+    tensor-descriptor kernel. ``eta`` (per sorted row, with the rows' ``entropy``) adds the
+    entropy's term eta p z to dZ; ``temperature`` divides the logits after the softcap (the
+    coefficients carry its factor 1 / T already, cce/_math.py).
     """
-    check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma)
+    check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma, eta, entropy)
+    if (eta is None) != (entropy is None):
+        raise ValueError("eta and entropy go together")
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
@@ -300,7 +339,7 @@ def linear_ce_backward_exact(
     DZ = torch.zeros((N, slab), dtype=e2d.dtype, device=dev)
     scale = inv = None
     if e2d.dtype == torch.float16:
-        scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
+        scale = fp16_dz_bound(alpha, eta, lse, entropy).amax().clamp(min=1e-30).reshape(1)
         inv = (1.0 / scale).contiguous()
     E_s = e2d.index_select(0, erow) if (need_dc or tma) else None
     # The target entry's rounding remainder goes back into the fp32 dE (dC is rounded once).
@@ -312,11 +351,12 @@ def linear_ce_backward_exact(
         c_desc = TD.from_tensor(c, [cfg.BLOCK_V, cfg.BLOCK_D])
         zt = torch.empty(N, dtype=f32, device=dev)
         with ctx:
-            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt)
+            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt, temperature)
     common = dict(
-        Bias=bias, W=weight, NValid=n_valid, Lse=lse, Alpha=alpha, Gamma=gamma, DZ=DZ, InvScale=inv,
-        softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V,
-        BLOCK_D=cfg.BLOCK_D, PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
+        Bias=bias, W=weight, NValid=n_valid, Lse=lse, Alpha=alpha, Gamma=gamma, Eta=eta, DZ=DZ,
+        InvScale=inv, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, HAS_TEMP=temperature != 1.0,
+        inv_temp=1.0 / temperature, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
+        PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     for t0 in range(0, n_vtiles, n_slab):
@@ -332,8 +372,8 @@ def linear_ce_backward_exact(
                 TB = 256
                 _dz_target_kernel[(triton.cdiv(N, TB),)](
                     Zt=zt, Tgt=tgt, NValid=n_valid, Lse=lse, Alpha=alpha, Beta=beta, Gamma=gamma,
-                    W=weight, DZ=DZ, InvScale=inv, TLo=lo, v0=v0, v1=v1, stride_dz=slab,
-                    softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK=TB,
+                    W=weight, Eta=eta, DZ=DZ, InvScale=inv, TLo=lo, v0=v0, v1=v1, stride_dz=slab,
+                    softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK=TB, inv_temp=1.0 / temperature,
                 )  # fmt: skip
             else:
                 _dz_slab_kernel[(n_blocks, nt)](

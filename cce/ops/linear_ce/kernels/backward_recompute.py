@@ -90,8 +90,8 @@ def _bwd_kernel(
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
     is_t = (vid[None, :] == tgt[:, None]) & row_mask[:, None] & col_mask[None, :]
     dz, p = dense_dz(
-        L, lse, alpha, beta, Gamma, W, offs_n, vid, is_t, row_mask, col_mask, softcap,
-        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT,
+        L, lse, alpha, beta, Gamma, W, None, offs_n, vid, is_t, row_mask, col_mask, softcap, 1.0,
+        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT, False, False,
     )  # fmt: skip
     if NEED_DBIAS:
         tl.atomic_add(dBias + vid, tl.sum(dz, axis=0), mask=col_mask, sem="relaxed")

@@ -219,10 +219,12 @@ def _target_logit_kernel(
     Tgt,  # [N] target id of each sorted position
     NValid,  # [1] int32: positions from here on are ignored rows
     Out,  # [N] fp32
-    N, D, stride_e, stride_c, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    N, D, stride_e, stride_c, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Out[i] = z of row i's target (bias and softcap applied), fp32; 0 past the valid rows."""
+    """Out[i] = z of row i's target (bias, softcap and temperature applied), fp32; 0 past the
+    valid rows."""
     n_valid = tl.load(NValid)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
@@ -240,6 +242,8 @@ def _target_logit_kernel(
         z += tl.load(Bias + tgt, mask=row_mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         z, _ = jm.softcap(z, softcap)
+    if HAS_TEMP:
+        z = z * inv_temp
     tl.store(Out + offs_n, tl.where(row_mask, z, 0.0), mask=offs_n < N)
 
 
@@ -249,13 +253,17 @@ TARGET_BLOCK_N = 4
 TARGET_BLOCK_D = 256
 
 
-def target_logits(e2d, c, bias, erow, tgt, n_valid, softcap: float, out: torch.Tensor) -> None:
-    """out[i] = z of sorted row i's target (bias and softcap applied), fp32; 0 past n_valid."""
+def target_logits(
+    e2d, c, bias, erow, tgt, n_valid, softcap: float, out: torch.Tensor, temperature: float = 1.0
+) -> None:
+    """out[i] = z of sorted row i's target (bias, softcap and temperature applied), fp32; 0 past
+    n_valid."""
     N, D = erow.numel(), e2d.shape[1]
     _target_logit_kernel[(triton.cdiv(N, TARGET_BLOCK_N),)](
         E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, NValid=n_valid, Out=out, N=N, D=D,
-        stride_e=e2d.stride(0), stride_c=c.stride(0), softcap=float(softcap),
-        HAS_SOFTCAP=softcap > 0, BLOCK_N=TARGET_BLOCK_N, BLOCK_D=TARGET_BLOCK_D,
+        stride_e=e2d.stride(0), stride_c=c.stride(0), softcap=float(softcap), inv_temp=1.0 / temperature,
+        HAS_SOFTCAP=softcap > 0, HAS_TEMP=temperature != 1.0, BLOCK_N=TARGET_BLOCK_N,
+        BLOCK_D=TARGET_BLOCK_D,
     )  # fmt: skip
 
 

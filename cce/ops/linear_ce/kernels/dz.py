@@ -1,9 +1,10 @@
 """The dZ tile of the dense backward kernels: its formation and its rounding to the operand dtype.
 
 dZ = (alpha p - beta [v == t] [- gamma w]) softcap' per tile (cce/_math.py gives alpha, beta,
-gamma). The target term is formed in the tile, before dZ is rounded to the operand dtype: rounding
-alpha p_it and subtracting beta exactly outside would turn the cancellation alpha p_it - beta
-(p_it near 1) into a large relative error of dC (docs/design.md, "Where rounding goes").
+gamma; the exact backward adds the entropy's term eta p z and a temperature). The target term
+is formed in the tile, before dZ is rounded to the operand dtype: rounding alpha p_it and
+subtracting beta exactly outside would turn the cancellation alpha p_it - beta (p_it near 1)
+into a large relative error of dC (docs/design.md, "Where rounding goes").
 
 TARGET_LO (bf16 / fp16 operands): the target entry dZ_it is the one entry whose rounding error is
 not averaged away (it carries the -beta term; rounding it costs 2^-9 of ||c_t|| in dE_i and of
@@ -27,17 +28,26 @@ from .common import device_context
 
 @triton.jit
 def dense_dz(
-    L, lse, alpha, beta, Gamma, W, offs_n, vid, is_t, row_mask, col_mask, softcap,
+    L, lse, alpha, beta, Gamma, W, Eta, offs_n, vid, is_t, row_mask, col_mask, softcap, inv_temp,
     HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
 ):  # fmt: skip
     """(dZ, p) of a logit tile L (bias added, softcap not yet), fp32, 0 outside the rows / columns:
-    dZ = (alpha p - beta [v == t] [- gamma w]) softcap'. The target term is formed in the tile,
-    before any rounding (see the module docstring)."""
+    dZ = (alpha p [+ eta p z] - beta [v == t] [- gamma w]) softcap', z = softcap(L) [* inv_temp]
+    (HAS_TEMP: the coefficients carry the temperature's factor already). HAS_ETA: the entropy's
+    term (cce/_math.py). The target term is formed in the tile, before any rounding (see the
+    module docstring)."""
     if HAS_SOFTCAP:
         L, th = jm.softcap(L, softcap)
+    if HAS_TEMP:
+        L = L * inv_temp
     mask2 = row_mask[:, None] & col_mask[None, :]
     p = tl.where(mask2, tl.exp(L - lse[:, None]), 0.0)
-    dz = alpha[:, None] * p - tl.where(is_t, beta[:, None], 0.0)
+    if HAS_ETA:
+        eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
+        dz = p * (alpha[:, None] + eta[:, None] * L) - tl.where(is_t, beta[:, None], 0.0)
+    else:
+        dz = alpha[:, None] * p - tl.where(is_t, beta[:, None], 0.0)
     if FOLD_SMOOTH:
         gamma = tl.load(Gamma + offs_n, mask=row_mask, other=0.0)
         if HAS_WEIGHT:
@@ -117,8 +127,8 @@ def _class_dz_kernel(
     beta = tl.load(Beta + offs_n, mask=row_mask, other=0.0)
     is_t = t[:, None] == cls[None, :]
     dz, _p = dense_dz(
-        L, lse, alpha, beta, None, None, offs_n, cls, is_t, row_mask, col_mask, softcap,
-        HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SMOOTH=False, HAS_WEIGHT=False,
+        L, lse, alpha, beta, None, None, None, offs_n, cls, is_t, row_mask, col_mask, softcap, 1.0,
+        HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SMOOTH=False, HAS_WEIGHT=False, HAS_TEMP=False, HAS_ETA=False,
     )  # fmt: skip
     tl.store(DZ + rows64 * stride_dz + offs_v[None, :], dz.to(DZ.dtype.element_ty), mask=mask2)
 

@@ -38,11 +38,11 @@ from .common import (
 
 @triton.jit
 def _fwd_tile(
-    L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
-    V, n_vtiles, stride_st, softcap, log_eps,
+    L, tile, m, s, ssum, ref, zt, hs, amax, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
+    V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, EVEN_V: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One logit tile L [BLOCK_N, BLOCK_V] (fp32, before bias and softcap) into the online softmax.
 
@@ -52,6 +52,13 @@ def _fwd_tile(
     STATS one comparison that takes the target out of the tile's max and mass, its term then
     added from zt (the target logit, computed beforehand); without STATS the target is an entry
     like any other. The exponent is scaled after the subtraction (jit_math.exp).
+
+    HAS_TEMP divides the logits by the temperature after the softcap (every statistic is of
+    those). ENTROPY keeps hs = sum_v e^(z_v - m) (z_v - m) relative to the running max m, so
+    that the entropy log s - hs / s never subtracts two numbers of the logits' size; when m
+    grows to m', hs' = e^(m - m') (hs + (m - m') s). ARGMAX keeps the first id of the running
+    max (walks in id order: a tie with an earlier tile keeps the earlier id). Neither runs with
+    STATS (whose running reference is not the running max).
     """
     lo = tile * BLOCK_V
     offs_p = lo + tl.arange(0, BLOCK_V)
@@ -66,6 +73,8 @@ def _fwd_tile(
         L += b[None, :]  # once per tile, after the whole D loop
     if HAS_SOFTCAP:
         L, th = jm.softcap(L, softcap)
+    if HAS_TEMP:
+        L = L * inv_temp
     if HAS_SMOOTH:
         if HAS_WEIGHT:
             w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
@@ -88,9 +97,21 @@ def _fwd_tile(
     m_new = tl.maximum(m, mx)
     if STATS:
         m_new = tl.where(has_t, tl.maximum(m_new, zt), m_new)
-    pe = jm.exp(L - m_new[:, None])  # [BLOCK_N, BLOCK_V], 0 at masked (and target) columns
+    if ARGMAX:
+        # the smallest id of the tile's max (ids: positions, the walk being unsorted here)
+        ti = tl.min(tl.where(L == mx[:, None], offs_p[None, :], 2147483647), axis=1)
+        amax = tl.where(mx > m, ti, tl.where(mx == m, tl.minimum(amax, ti), amax))
+    dl = L - m_new[:, None]  # [BLOCK_N, BLOCK_V], -inf at masked (and target) columns
+    pe = jm.exp(dl)  # 0 at masked (and target) columns
     snt = tl.sum(pe, axis=1)
-    s = s * jm.exp(m - m_new) + snt
+    scale = jm.exp(m - m_new)
+    if ENTROPY:
+        pdl = pe * dl
+        if not EVEN_V:
+            pdl = tl.where(col_mask[None, :], pdl, 0.0)  # 0 * -inf
+        # (s = 0 before the first tile, where m - m_new is -inf)
+        hs = tl.where(s > 0, scale * (hs + (m - m_new) * s), 0.0) + tl.sum(pdl, axis=1)
+    s = s * scale + snt
     if STATS:
         s += tl.where(has_t, jm.exp(zt - m_new), 0.0)
         if not HAS_INIT:
@@ -105,7 +126,7 @@ def _fwd_tile(
         sptr = offs_n.to(tl.int64) * stride_st + tile
         tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
         tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
-    return m_new, s, ssum, ref
+    return m_new, s, ssum, ref, hs, amax
 
 
 @triton.heuristics(
@@ -116,20 +137,23 @@ def _fwd_tile(
         "SORTED": lambda a: a["Perm"] is not None,
         "STATS": lambda a: a["St"] is not None,
         "HAS_INIT": lambda a: a["M0"] is not None,
+        "ENTROPY": lambda a: a["Hs"] is not None,
+        "ARGMAX": lambda a: a["Ix"] is not None,
     }
 )
 @triton.jit
 def _fwd_kernel(
     E, C, Bias, W, Erow, TPos, Zt, NValid, Perm, M0,
-    Mx, Se, Ss, St, Sq,
+    Mx, Se, Ss, St, Sq, Hs, Ix,
     N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tile_hi, n_splits,
-    desc_tile0, softcap, log_eps,
+    desc_tile0, softcap, log_eps, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, TMA: tl.constexpr,
-    EVEN_V: tl.constexpr,
+    EVEN_V: tl.constexpr, HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr, ARGMAX: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Per (token block, vocabulary split): running max, sum of exp, weighted logit sum.
+    """Per (token block, vocabulary split): running max, sum of exp, weighted logit sum (Ss),
+    entropy accumulator (Hs) and argmax (Ix) of the logits (times inv_temp with HAS_TEMP).
 
     Split pid_s of n_splits covers tiles [tile_lo + pid_s T // n_splits, tile_lo + (pid_s + 1) T //
     n_splits) with T = tile_hi - tile_lo (the splits differ by at most one tile), of the
@@ -171,6 +195,8 @@ def _fwd_kernel(
     ref = m
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    hs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    amax = tl.zeros((BLOCK_N,), dtype=tl.int32)
     # Balanced splits: a short last split would leave most SMs idle in the grid's last wave.
     t0 = tile_lo + (pid_s * (tile_hi - tile_lo)) // n_splits
     t1 = tile_lo + ((pid_s + 1) * (tile_hi - tile_lo)) // n_splits
@@ -187,11 +213,11 @@ def _fwd_kernel(
             b = C.load([(tile - desc_tile0) * BLOCK_V, ki * BLOCK_D])  # [BLOCK_V, BLOCK_D]
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
             if ki == k_tiles - 1:
-                m, s, ssum, ref = _fwd_tile(
-                    acc, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
-                    tpos, V, n_vtiles, stride_st, softcap, log_eps,
+                m, s, ssum, ref, hs, amax = _fwd_tile(
+                    acc, tile, m, s, ssum, ref, zt, hs, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
+                    tpos, V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
                     HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
-                    BLOCK_V,
+                    HAS_TEMP, ENTROPY, ARGMAX, BLOCK_V,
                 )  # fmt: skip
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
@@ -207,17 +233,21 @@ def _fwd_kernel(
                 E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
                 BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
             )  # fmt: skip  # [BLOCK_N, BLOCK_V]
-            m, s, ssum, ref = _fwd_tile(
-                L, tile, m, s, ssum, ref, zt, Bias, W, Perm, St, Sq, offs_n, row_mask,
-                tpos, V, n_vtiles, stride_st, softcap, log_eps,
+            m, s, ssum, ref, hs, amax = _fwd_tile(
+                L, tile, m, s, ssum, ref, zt, hs, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
+                tpos, V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
                 HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
-                BLOCK_V,
+                HAS_TEMP, ENTROPY, ARGMAX, BLOCK_V,
             )  # fmt: skip
     out = pid_s * stride_part + offs_n
     tl.store(Mx + out, m, mask=row_mask)
     tl.store(Se + out, s, mask=row_mask)
     if HAS_SMOOTH:
         tl.store(Ss + out, ssum, mask=row_mask)
+    if ENTROPY:
+        tl.store(Hs + out, hs, mask=row_mask)
+    if ARGMAX:
+        tl.store(Ix + out, amax, mask=row_mask)
 
 
 @dataclass
@@ -236,6 +266,8 @@ class FwdStats:
     st: torch.Tensor | None = None
     sq: torch.Tensor | None = None
     m0: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None  # fp32 [N] (entropy=True)
+    argmax: torch.Tensor | None = None  # int64 [N] (argmax=True)
 
 
 # Forward programs (token block x vocabulary split) per SM: each runs one tile at a time, so the
@@ -285,6 +317,9 @@ def linear_ce_forward(
     programs_per_sm: int | None = None,
     tma: bool | None = None,
     slab_bytes: int | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    argmax: bool = False,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
@@ -300,6 +335,9 @@ def linear_ce_forward(
     by tensor descriptors: the rows ``e2d[erow]`` are gathered once into an [N, D] buffer, and a
     sorted vocabulary is walked in slabs (fwd_slab_tiles: at most FWD_SLAB_BYTES and about half of
     c by default, else ``slab_bytes``) whose rows are gathered into a buffer first.
+
+    ``temperature`` divides the logits after the softcap (target logits included); ``entropy``
+    and ``argmax`` add those outputs. None of the three goes with ``perm``.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
@@ -310,6 +348,8 @@ def linear_ce_forward(
     n_blocks = triton.cdiv(N, BN)
     n_vtiles = triton.cdiv(V, BV)
     stats = perm is not None
+    if stats and (temperature != 1.0 or entropy or argmax):
+        raise ValueError("the tile statistics (perm) take no temperature, entropy or argmax")
     if tma is None:
         tma = use_tma(e2d, c) and (not stats or N >= FWD_TMA_SORTED_MIN_N)
     TD = tensor_descriptor() if tma else None
@@ -343,6 +383,8 @@ def linear_ce_forward(
     Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
     Se = torch.zeros((parts, N), dtype=f32, device=dev)
     Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else None
+    Hs = torch.zeros((parts, N), dtype=f32, device=dev) if entropy else None
+    Ix = torch.zeros((parts, N), dtype=torch.int32, device=dev) if argmax else None
     zt = torch.empty(N, dtype=f32, device=dev)
     St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev) if stats else None
     Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev) if stats else None
@@ -373,9 +415,11 @@ def linear_ce_forward(
             E=e_arg, C=c_arg, Bias=bias, W=weight if smoothing else None, Erow=erow,
             TPos=tpos if stats else None, Zt=zt, NValid=n_valid, Perm=perm, M0=m0,
             Mx=Mx[part0:], Se=Se[part0:], Ss=None if Ss is None else Ss[part0:], St=St, Sq=Sq,
+            Hs=None if Hs is None else Hs[part0:], Ix=None if Ix is None else Ix[part0:],
             N=N, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), stride_part=N,
             stride_st=n_vtiles, n_vtiles=n_vtiles, tile_lo=tile_lo, tile_hi=tile_hi, n_splits=grid[1],
             desc_tile0=tile0, softcap=float(softcap), log_eps=math.log(eps) if stats else 0.0,
+            inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0,
             HAS_SOFTCAP=softcap > 0, EVEN_V=V % BV == 0, TMA=tma, BLOCK_N=BN, BLOCK_V=BV,
             BLOCK_D=cfg.BLOCK_D, PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -386,7 +430,7 @@ def linear_ce_forward(
         if N > 0:
             # The target logits first, by a kernel of their own (N x D reads): the tile epilogue
             # then needs no per-entry target extraction.
-            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt)
+            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt, temperature)
         part = head
         for lo, hi in slabs if N > 0 else ():
             c_arg, tile0 = slab_operand(lo, hi)
@@ -412,4 +456,17 @@ def linear_ce_forward(
     ss = torch.where(done, Ss.sum(0), 0.0) if Ss is not None else None
     if m0 is not None:
         m0 = torch.where(torch.isfinite(m0), m0, 0.0)
-    return FwdStats(lse, tl_, ss, St, Sq, m0)
+    ent = amax = None
+    if entropy:
+        # H = log S - A / S with A = sum_s e^(m_s - M) (Hs_s + (m_s - M) Se_s) (the splits'
+        # accumulators moved to the common max M; see _fwd_tile).
+        w = torch.exp(Mx - Mz)
+        A = (w * (Hs + torch.where(Se > 0, (Mx - Mz) * Se, 0.0))).sum(0)
+        Sd = torch.where(done, S, 1.0)
+        ent = torch.where(done, torch.log(Sd) - A / Sd, 0.0)
+    if argmax:
+        # the smallest id among the splits that reach the max
+        big = torch.iinfo(torch.int32).max
+        amax = torch.where(Mx == M, Ix, big).amin(0).long()
+        amax = torch.where(done, amax, 0)
+    return FwdStats(lse, tl_, ss, St, Sq, m0, ent, amax)
