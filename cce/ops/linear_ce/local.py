@@ -26,10 +26,6 @@ from ..._dispatch import linear_backward
 from ...options import Tuning
 from . import chunked
 
-# The forward op's arguments of the per-token outputs (cce.LossOutputs), which a block never asks
-# for: the loss and lse at temperature 1, no entropy or argmax.
-_NO_OUTPUTS = dict(temperature=1.0, entropy=False, argmax=False)
-
 
 def triton_block_stats(
     e2d, c, bias, weight, rows, targets, softcap: float, smoothing: bool, filter_eps: float,
@@ -73,11 +69,9 @@ def triton_block_stats(
         dc_scratch_tiles=tuning.dc_scratch_tiles, stash_move_bytes=tuning.stash_move_bytes,
         dense_slabs=tuning.dense_slabs, dense_kept=tuning.dense_kept, slab_error=tuning.slab_error,
         slab_error_dc=tuning.slab_error_dc, dense_slab_bytes=tuning.dense_slab_bytes,
-        first_order=tuning.first_order,
+        first_order=tuning.first_order, temperature=1.0, entropy=False, argmax=False,
     )  # fmt: skip
-    # By name: the op's fields of per-token outputs (none here) take their neutral values.
-    fields = linear_ce_triton_fwd.args_type._fields
-    out = linear_ce_triton_fwd(*(args[f] if f in args else _NO_OUTPUTS[f] for f in fields))
+    out = linear_ce_triton_fwd(*(args[f] for f in linear_ce_triton_fwd.args_type._fields))
     loss, lse, tgt = out[0], out[1], out[8]
     ssum = None
     if smoothing:
