@@ -52,14 +52,6 @@ def impl_for_outputs(opts: CCEOptions, impl: str, linear: bool = False) -> str:
     return "torch"
 
 
-def outputs_exact(temperature: float, entropy: bool, argmax: bool) -> bool:
-    """Whether a linear-level Triton call takes the unfused forward and the exact backward for its
-    outputs: a temperature, the entropy (whose gradient term eta p z is outside the filter's
-    bound and the fused path's precomputed gradients) or the argmax (formed by the unfused
-    forward kernel only)."""
-    return temperature != 1.0 or entropy or argmax
-
-
 def select_impl(impl: str, device: torch.device) -> str:
     """'torch' or 'triton' for the requested impl and the tensors' device."""
     if impl == "torch":
@@ -114,6 +106,7 @@ def linear_backward(
     fused_ok: bool = False,
     fused_whole: bool = False,
     classes: int | None = None,
+    temperature: float = 1.0,
 ) -> str:
     """The Triton backward of a linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
     cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
@@ -135,9 +128,13 @@ def linear_backward(
     filtered call takes the fused path wherever it fits, at any size: a small vocabulary has few
     tiles to skip, and off zipf-like data the sparse backward's kept tiles and dense slabs cost
     more than the fused path's three passes, and its corrections' dC error on real text was
-    above 1e-2 (mistral-7b's head, N = 32768; docs/benchmarks.md, sessions 9 and 10)."""
+    above 1e-2 (mistral-7b's head, N = 32768; docs/benchmarks.md, sessions 9 and 10).
+
+    A ``temperature`` other than 1 takes the exact (or fused) path: the filtered backwards'
+    kernels and tile statistics take none. (An entropy output's gradient, known only in the
+    backward, makes the op run the exact backward there: cce/ops/linear_ce/triton_impl.py.)"""
     exact = "fused" if fused_ok else "exact"
-    if filter_eps <= 0:
+    if filter_eps <= 0 or temperature != 1.0:
         return exact
     min_flops = tuning.sparse_min_flops
     if min_flops is None:

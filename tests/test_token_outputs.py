@@ -417,15 +417,9 @@ def exact_logit_problems(draw):
         return_argmax=True,
         return_accuracy=True,
     )
-    return (
-        N,
-        D,
-        V,
-        opts,
-        draw(st.booleans()),
-        draw(st.sampled_from([0.0, 0.3, 1.0])),
-        draw(st.integers(0, 2**16)),
-    )
+    opts["tuning"] = cce.Tuning(fused=draw(st.booleans()))  # the fused path or the unfused one
+    with_bias, ignore = draw(st.booleans()), draw(st.sampled_from([0.0, 0.3, 1.0]))
+    return N, D, V, opts, with_bias, ignore, draw(st.integers(0, 2**16))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -434,6 +428,7 @@ def test_triton_outputs_and_gradients_against_oracle(problem):
     """impl="triton" (the interpreter): the temperature, entropy, argmax and accuracy, and the
     gradients through every output, against the fp64 oracle, on inputs whose fp32 logits are
     exact (so the kernels' error is that of their fp32 arithmetic; argmax and accuracy exact).
+    The fused path ("mean" / "sum") and the unfused forward with the exact backward.
 
     Bounds, derived as in the module docstring but for fp32 sums (not fp64 sums rounded once):
     each of s = sum_v e^(z - m), the entropy's sum_v e^(z - m) (z - m) and the gradient products'
@@ -446,17 +441,18 @@ def test_triton_outputs_and_gradients_against_oracle(problem):
     pytest.importorskip("triton")
     N, D, V, opts, with_bias, ignore, seed = problem
     gen = torch.Generator().manual_seed(seed)
-    e = (torch.randint(-3, 4, (N, D), generator=gen) / 2).double().requires_grad_()
-    c = (torch.randint(-3, 4, (V, D), generator=gen) / 2).double().requires_grad_()
-    b = (torch.randint(-8, 9, (V,), generator=gen) / 8).double().requires_grad_() if with_bias else None
+    # fp32 leaves (the fused path takes fp32 / bf16 operands); the oracle reads them in fp64
+    e = (torch.randint(-3, 4, (N, D), generator=gen) / 2).requires_grad_()
+    c = (torch.randint(-3, 4, (V, D), generator=gen) / 2).requires_grad_()
+    b = (torch.randint(-8, 9, (V,), generator=gen) / 8).requires_grad_() if with_bias else None
     t = torch.randint(0, V, (N,), generator=gen)
     t[torch.rand(N, generator=gen) < ignore] = -100
 
     def tri(e, c, t, b, **kw):
-        return cce.linear_cross_entropy(e, c, t, b, impl="triton", **kw)
+        return cce.linear_cross_entropy_with_options(e, c, t, b, None, cce.CCEOptions(impl="triton", **kw))
 
     got, ggot, ups = _run(tri, e, c, t, b, seed, **opts)
-    ref, gref, _ = _run(_oracle, e, c, t, b, seed, **opts)
+    ref, gref, _ = _run(_oracle, e, c, t, b, seed, **{k: v for k, v in opts.items() if k != "tuning"})
     z = (e.detach() @ c.detach().T + (0.0 if b is None else b.detach())) / opts["temperature"]
     zmax = z.abs().amax(1)
     lse = torch.logsumexp(z, 1).abs()
@@ -474,7 +470,7 @@ def test_triton_outputs_and_gradients_against_oracle(problem):
     assert bool((loss_err <= (loss_bound if opts["reduction"] == "none" else loss_bound.sum())).all())
     assert got.argmax.dtype == torch.int64 and torch.equal(got.argmax, ref.argmax)
     assert float(got.accuracy) == float(ref.accuracy)
-    bound_opts = {k: v for k, v in opts.items() if not k.startswith("return_")}
+    bound_opts = {k: v for k, v in opts.items() if not k.startswith("return_") and k != "tuning"}
     ref_ent = ref if opts["return_entropy"] else ref._replace(entropy=torch.zeros(N, dtype=torch.float64))
     _, grad_bound = _bounds(e, c, t, b, ref_ent, ups, **bound_opts)
     widen = (V + 8) / 8 + (V + D) / 8
@@ -482,9 +478,63 @@ def test_triton_outputs_and_gradients_against_oracle(problem):
         assert float((g - r).norm()) <= widen * grad_bound[name] + 1e-300, name
 
 
-def test_triton_walks_several_tiles_per_split():
+def test_triton_outputs_keep_the_sparse_backward(monkeypatch):
+    """Asking for the entropy and argmax keeps the sparse backward of a training step whose
+    gradient reaches only the loss (and lse): the forward gathers its tile statistics and forms
+    the outputs in the same walk (the target, kept out of the walk's maxima, enters the entropy
+    and the argmax from its own logit), and the gradients equal the same step's without the
+    outputs bit for bit. A gradient reaching the entropy runs the exact backward instead: then
+    within fp32 arithmetic of the oracle (the oracle test's bound is ~1e-6 relative here).
+    Exact fp32 logits (as there), so argmax and accuracy are exact."""
+    pytest.importorskip("triton")
+    import cce.ops.linear_ce.triton_impl as ti
+
+    gen = torch.Generator().manual_seed(7)
+    N, D, V = 48, 12, 300
+    e = (torch.randint(-3, 4, (N, D), generator=gen) / 2).requires_grad_()
+    c = (torch.randint(-3, 4, (V, D), generator=gen) / 2).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[::5] = -100
+    t[1] = int((e[1] @ c.T).argmax())  # a row whose target is its argmax
+    sparse = cce.Tuning(backward="sparse", sparse_min_flops=0, fused=False)
+    calls = []
+    for name in ("linear_ce_triton_bwd", "linear_ce_triton_bwd_sparse"):
+        real = getattr(ti, name)
+        monkeypatch.setattr(ti, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+
+    def run(up_entropy: float, **outputs):
+        opts = cce.CCEOptions(impl="triton", filter_eps=2.0**-12, tuning=sparse, return_lse=True, **outputs)
+        out = cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
+        total = out[0] + 0.3 * out[1].sum()
+        if up_entropy:
+            total = total + up_entropy * out.entropy.sum()
+        return out, torch.autograd.grad(total, (e, c))
+
+    _, g_plain = run(0.0)
+    assert calls == ["linear_ce_triton_bwd_sparse"]
+    kw = dict(return_entropy=True, return_argmax=True, return_accuracy=True)
+    got, g_got = run(0.0, **kw)
+    assert calls[1:] == ["linear_ce_triton_bwd_sparse"]
+    assert all(torch.equal(x, y) for x, y in zip(g_got, g_plain, strict=True))
+    ref = linear_cross_entropy_reference(e.double(), c.double(), t, dtype=torch.float64, **kw)
+    z = e.detach().double() @ c.detach().double().T
+    bound = 4 * U32 * (V + 8) * (1 + z.logsumexp(1).abs() + 2 * z.abs().amax(1))
+    valid = t != -100
+    assert bool(((got.entropy.double() - ref.entropy).abs()[valid] <= bound[valid]).all())
+    assert torch.equal(got.argmax, ref.argmax) and float(got.accuracy) == float(ref.accuracy) > 0
+    _, g_ent = run(0.5, **kw)
+    assert calls[2:] == ["linear_ce_triton_bwd"]
+    e64, c64 = e.detach().double().requires_grad_(), c.detach().double().requires_grad_()
+    r = linear_cross_entropy_reference(e64, c64, t, dtype=torch.float64, return_lse=True, **kw)
+    g_ref = torch.autograd.grad(r.loss + 0.3 * r.lse.sum() + 0.5 * r.entropy.sum(), (e64, c64))
+    for x, y in zip(g_ent, g_ref, strict=True):
+        assert rel_err_(x.double(), y) < 1e-5
+
+
+def test_triton_walks_several_tiles_per_split(monkeypatch):
     """A problem with several vocabulary tiles per program (the interpreter's 32-class tiles, 8
-    "SMs": 13 token blocks of 16 share 64 programs, so about 4 of the 22 tiles each): the running
+    "SMs": 13 token blocks of 16 share 64 programs, so about 4 of the 22 tiles each; the fused
+    path's row kernel walks a row in 32-class blocks, spy-checked to run): the running
     entropy accumulator is rescaled inside a program and ties of the largest logit meet across
     tiles of one program (duplicated classifier rows at ids 40 and 70, tiles 1 and 2) as well as
     across programs (id 600). Exact fp32 logits (as above): argmax exact; the entropy within the
@@ -498,13 +548,23 @@ def test_triton_walks_several_tiles_per_split():
     c[:, 0] += (torch.arange(V) % 5 == 1).float() * 0.5  # other ties elsewhere
     t = torch.randint(0, V, (N,), generator=gen)
     e[: N // 2, :] += (torch.arange(D) == 0).float() * 2  # rows whose max is elsewhere
-    out = cce.linear_cross_entropy(e, c, t, impl="triton", return_entropy=True, return_argmax=True)
     z = e.double() @ c.double().T
-    assert torch.equal(out.argmax, z.argmax(1)) and int((out.argmax == 40).sum()) > N // 4
     p = torch.softmax(z, 1)
     H = -(p * torch.log_softmax(z, 1)).sum(1)
     bound = 4 * U32 * (V + 8) * (1 + z.logsumexp(1).abs() + 2 * z.abs().amax(1))
-    assert bool(((out.entropy.double() - H).abs() <= bound).all())
+    import cce.ops.linear_ce.triton_impl as ti
+
+    fused = []
+    real = ti.linear_ce_triton_fused
+    monkeypatch.setattr(ti, "linear_ce_triton_fused", lambda *a: fused.append(1) or real(*a))
+    # the forward alone, and a training step's fused path (its row kernel walks 32-class blocks)
+    for grad in (False, True):
+        ee = e.clone().requires_grad_(grad)
+        opts = cce.CCEOptions(impl="triton", filter_eps=None, return_entropy=True, return_argmax=True)
+        out = cce.linear_cross_entropy_with_options(ee, c, t, None, None, opts)
+        assert torch.equal(out.argmax, z.argmax(1)) and int((out.argmax == 40).sum()) > N // 4
+        assert bool(((out.entropy.double() - H).abs() <= bound).all())
+        assert len(fused) == int(grad)
 
 
 def test_triton_fp16_entropy_gradient_scale():

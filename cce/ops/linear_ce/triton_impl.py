@@ -21,7 +21,7 @@ import torch
 
 from ... import _math
 from ..._custom_ops import define_op, register_autograd, register_fake
-from ..._dispatch import fused_fits, fused_one_chunk, linear_backward, outputs_exact
+from ..._dispatch import fused_fits, fused_one_chunk, linear_backward
 from ...options import Tuning
 from .kernels.common import stats_blocks
 from .kernels.forward import linear_ce_forward
@@ -59,8 +59,8 @@ class FwdArgs(NamedTuple):
     dense_slab_bytes: int
     first_order: bool
     temperature: float  # the logits are softcap(x) / temperature (not with stats)
-    entropy: bool  # the entropy output (not with stats)
-    argmax: bool  # the argmax output (not with stats)
+    entropy: bool  # the entropy output
+    argmax: bool  # the argmax output
 
 
 _FWD_OUT = tuple[(torch.Tensor,) * 11]
@@ -315,7 +315,9 @@ def _backward(
         g = torch.zeros(N, dtype=torch.float32, device=targets.device)
     else:
         g = _math.row_upstream(g_loss, w_t, a.reduction, N).contiguous()
-    if a.stats and not need_db:  # (never with an entropy output or a temperature)
+    # The sparse backward's kernels have no entropy term (outside the filter's bound): a gradient
+    # reaching the entropy takes the exact backward (filter_eps 0 there) for the whole step.
+    if a.stats and not need_db and g_ent is None:
         dE, dC = linear_ce_triton_bwd_sparse(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
@@ -356,17 +358,21 @@ class FusedArgs(NamedTuple):
     need_dbias: bool
     chunk_bytes: int
     dz_slab_bytes: int  # the exact backward's, for a gradient through lse
+    temperature: float
+    entropy: bool
+    argmax: bool
 
 
 @define_op(
     "cce::linear_ce_triton_fused",
     FusedArgs,
-    tuple[(torch.Tensor,) * 6],
+    tuple[(torch.Tensor,) * 8],
 )
 def linear_ce_triton_fused(a: FusedArgs):
-    """(loss, lse, dE, dC, dbias, tgt): loss, lse and tgt as linear_ce_triton_fwd's, and the exact
-    gradients of the loss for an upstream gradient of 1, formed in this forward pass
-    (kernels/fused_grads.py), in the dtypes of e2d, c, bias (empty where not asked for)."""
+    """(loss, lse, dE, dC, dbias, tgt, entropy, argmax): loss, lse, tgt, entropy and argmax as
+    linear_ce_triton_fwd's, and the exact gradients of the loss for an upstream gradient of 1,
+    formed in this forward pass (kernels/fused_grads.py), in the dtypes of e2d, c, bias (empty
+    where not asked for)."""
     e2d, c, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
     V = c.shape[0]
     dev = e2d.device
@@ -380,9 +386,11 @@ def linear_ce_triton_fused(a: FusedArgs):
     den = _math.mean_denominator(w_t) if a.reduction == "mean" else None
     g = _math.row_upstream(None, w_t, a.reduction, a.targets.numel(), den)
     a0, a1, beta, gamma = _math.affine_coefficients(g, w_t, W, valid, k)
+    if a.temperature != 1.0:  # the chain rule's 1 / T
+        a0, a1, beta, gamma = (None if x is None else x / a.temperature for x in (a0, a1, beta, gamma))
     out = linear_ce_fused(
         e2d, c, bias, weight, a.rows, safe_t, a0, a1, beta, gamma, a.softcap,
-        a.need_de, a.need_dc, a.need_dbias, a.chunk_bytes,
+        a.need_de, a.need_dc, a.need_dbias, a.chunk_bytes, a.temperature, a.entropy, a.argmax,
     )  # fmt: skip
     loss_tok = _math.token_loss(out.lse, out.tgt, out.ssum, w_t, W, valid, k)
     loss = _math.reduce_loss(loss_tok, w_t, a.reduction, den)
@@ -393,6 +401,8 @@ def linear_ce_triton_fused(a: FusedArgs):
         out.dC.to(a.c.dtype) if out.dC is not None else a.c.new_empty(0),
         out.dbias.to(bias.dtype) if out.dbias is not None else a.c.new_empty(0),
         torch.where(valid, out.tgt, 0.0),
+        torch.where(valid, out.entropy, 0.0) if a.entropy else e2d.new_empty(0, dtype=torch.float32),
+        torch.where(valid, out.argmax, 0) if a.argmax else e2d.new_empty(0, dtype=torch.long),
     )
 
 
@@ -406,6 +416,8 @@ def _fused_fake(a: FusedArgs):
         c.new_empty(c.shape if a.need_dc else (0,)),
         c.new_empty((c.shape[0],) if a.need_dbias else (0,), dtype=bias.dtype if a.need_dbias else c.dtype),
         e2d.new_empty((a.targets.shape[0],), dtype=f32),
+        e2d.new_empty((a.targets.shape[0],) if a.entropy else (0,), dtype=f32),
+        e2d.new_empty((a.targets.shape[0],) if a.argmax else (0,), dtype=torch.long),
     )
 
 
@@ -427,23 +439,23 @@ register_fake(scale_inplace, lambda a: None)
 
 
 def _fused_setup_context(ctx, a: FusedArgs, output) -> None:
-    _loss, lse, dE, dC, db, _tgt = output
-    ctx.mark_non_differentiable(dE, dC, db)
+    _loss, lse, dE, dC, db, _tgt, ent, amax = output
+    ctx.mark_non_differentiable(dE, dC, db, amax)
     ctx.set_materialize_grads(False)
     ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
     # The forward's gradients stay on ctx, not saved tensors: the backward scales them in place
     # (no second copy), which would trip autograd's version check on saved tensors.
     ctx.pre = (dE, dC, db)
-    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse)
+    ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, ent)
 
 
-def _fused_backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db, g_tgt):
+def _fused_backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db, g_tgt, g_ent, _g_amax):
     """The forward's gradients scaled in place by the (scalar) upstream gradient. A gradient
-    reaching lse or the target logit (log-probabilities), or a second backward through a
-    retained graph (the forward's gradients are then spent), takes the exact backward for what
-    is left (one more pass)."""
+    reaching lse, the target logit (log-probabilities) or the entropy, or a second backward
+    through a retained graph (the forward's gradients are then spent), takes the exact backward
+    for what is left (one more pass)."""
     a: FusedArgs = ctx.args
-    e2d, c, bias, weight, rows, targets, lse = ctx.saved_tensors
+    e2d, c, bias, weight, rows, targets, lse, ent = ctx.saved_tensors
     need = ctx.needs_input_grad[:3]
     pre, ctx.pre = ctx.pre, None
     grads = [None, None, None]
@@ -460,18 +472,19 @@ def _fused_backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db, g_tgt):
         valid = targets != a.ignore_index
         w_t = _math.target_weight(weight, targets, valid)
         g_rest = _math.row_upstream(g_loss, w_t, a.reduction, targets.numel()).contiguous()
-    if g_rest is not None or g_lse is not None or g_tgt is not None:
+    if g_rest is not None or g_lse is not None or g_tgt is not None or g_ent is not None:
         if g_rest is None:
             g_rest = torch.zeros(targets.numel(), dtype=torch.float32, device=targets.device)
-        e2d_k, c_k, bias_k, weight_k = kernel_operands(e2d, c, bias, weight)
-        extra = loss_backward(
-            e2d_k, c_k, bias_k, weight_k, rows, targets, lse, g_rest, g_lse, a.ignore_index, a.softcap,
+        # Through the exact backward's op (opaque to torch.compile, which traces this function):
+        # its gradients come in the inputs' dtypes, added to the forward's with one more rounding.
+        extra = linear_ce_triton_bwd(
+            e2d, c, bias, weight, rows, targets, lse, g_rest, g_lse, a.ignore_index, a.softcap,
             a.label_smoothing, a.z_loss, 0.0, need[0], need[1], need[2] and bias is not None, a.dz_slab_bytes,
-            g_tgt,
+            g_tgt, g_ent, ent if g_ent is not None else None, a.temperature,
         )  # fmt: skip
         for j, (x, ref) in enumerate(zip(extra, (e2d, c, bias), strict=True)):
-            if x is not None and need[j]:
-                grads[j] = x.to(ref.dtype) if grads[j] is None else (grads[j].float() + x).to(ref.dtype)
+            if need[j] and ref is not None:
+                grads[j] = x if grads[j] is None else (grads[j].float() + x.float()).to(ref.dtype)
     return (*grads, *(None,) * (len(FusedArgs._fields) - 3))
 
 
@@ -503,24 +516,22 @@ def linear_ce_triton(
     differentiable, for log-probabilities); entropy (differentiable) and argmax where asked for,
     else None. need_de / need_dc / need_dbias (what autograd will ask for) choose the backward
     (cce._dispatch.linear_backward): for the sparse one the forward also gathers the tile
-    statistics. A temperature, the entropy or the argmax take the unfused forward and the exact
-    backward (cce._dispatch.outputs_exact)."""
+    statistics. A temperature takes the exact (or fused) path; a gradient reaching the entropy
+    runs the exact backward."""
     N, (V, D) = targets.numel(), c.shape
     flops = 2.0 * N * V * D
-    if outputs_exact(temperature, entropy, argmax):
-        algo = "exact"
-    else:
-        fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
-        algo = linear_backward(
-            tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda,
-            fused, fused_one_chunk(tuning, N, V), classes=V,
-        )  # fmt: skip
+    fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
+    algo = linear_backward(
+        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda,
+        fused, fused_one_chunk(tuning, N, V), classes=V, temperature=temperature,
+    )  # fmt: skip
     if algo == "fused":
         out = linear_ce_triton_fused(
             e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
             need_de, need_dc, need_dbias, tuning.fused_chunk_bytes, tuning.dz_slab_bytes,
+            float(temperature), entropy, argmax,
         )  # fmt: skip
-        return out[0], out[1], out[5], None, None
+        return out[0], out[1], out[5], out[6] if entropy else None, out[7] if argmax else None
     if algo == "exact":
         filter_eps = 0.0
     stats = algo == "sparse"

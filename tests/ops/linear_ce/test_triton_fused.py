@@ -138,7 +138,7 @@ def test_fused_one_row_chunks():
         for budget in (1, 1 << 30)
     ]
     for x, y in zip(*outs, strict=True):
-        assert rel_err(x, y) <= 1e-6
+        assert (x is None and y is None) or rel_err(x, y) <= 1e-6  # (no entropy or argmax asked)
 
 
 @pytest.mark.parametrize("which", ["e", "c", "bias"])
@@ -279,7 +279,7 @@ def test_fused_half_operands_rows():
         linear_ce_fused(x_e, x_c, x_b, None, rows, t, a0, None, beta, None, 0.0, True, True, True, budget)
         for x_e, x_c, x_b in ((e, c, b), (e.float(), c.float(), b.float()))
     ]
-    (lse16, _, _, dE16, dC16, db16), (lse32, _, _, dE32, dC32, db32) = outs
+    (lse16, _, _, dE16, dC16, db16, *_), (lse32, _, _, dE32, dC32, db32, *_) = outs
     assert dE16.dtype == dC16.dtype == torch.float16 and dE16.shape == (M, D)
     unread = torch.ones(M, dtype=torch.bool)
     unread[rows] = False

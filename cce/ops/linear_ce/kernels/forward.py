@@ -38,7 +38,7 @@ from .common import (
 
 @triton.jit
 def _fwd_tile(
-    L, tile, m, s, ssum, ref, zt, hs, amax, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
+    L, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
     V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, EVEN_V: tl.constexpr,
@@ -54,16 +54,18 @@ def _fwd_tile(
     like any other. The exponent is scaled after the subtraction (jit_math.exp).
 
     HAS_TEMP divides the logits by the temperature after the softcap (every statistic is of
-    those). ENTROPY keeps hs = sum_v e^(z_v - m) (z_v - m) relative to the running max m, so
-    that the entropy log s - hs / s never subtracts two numbers of the logits' size; when m
-    grows to m', hs' = e^(m - m') (hs + (m - m') s). ARGMAX keeps the first id of the running
-    max (walks in id order: a tie with an earlier tile keeps the earlier id). Neither runs with
-    STATS (whose running reference is not the running max).
+    those). ENTROPY keeps hs = sum_v e^(z_v - m) (z_v - m) relative to the running reference m
+    (the running max, or with HAS_INIT a bound above it), so that the entropy log s - hs / s
+    never subtracts two numbers of the logits' size; when m grows to m',
+    hs' = e^(m - m') (hs + (m - m') s); with STATS the target's term is added from zt, as for s.
+    ARGMAX keeps the running max av and the smallest id among the entries reaching it (ties
+    compared by id, so any walking order gives torch's first index); with STATS of the
+    non-target entries only (the caller compares the target, zt, at the merge).
     """
     lo = tile * BLOCK_V
     offs_p = lo + tl.arange(0, BLOCK_V)
     col_mask = offs_p < V
-    if HAS_BIAS or HAS_WEIGHT:
+    if HAS_BIAS or HAS_WEIGHT or (ARGMAX and SORTED):
         if SORTED:
             vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
         else:
@@ -98,19 +100,27 @@ def _fwd_tile(
     if STATS:
         m_new = tl.where(has_t, tl.maximum(m_new, zt), m_new)
     if ARGMAX:
-        # the smallest id of the tile's max (ids: positions, the walk being unsorted here)
-        ti = tl.min(tl.where(L == mx[:, None], offs_p[None, :], 2147483647), axis=1)
-        amax = tl.where(mx > m, ti, tl.where(mx == m, tl.minimum(amax, ti), amax))
+        # the smallest id of the tile's max, then against the running max by value and id
+        # (int32 ids: a tile-wide int64 select and min cost a few percent of the forward)
+        if SORTED:
+            ids = vid.to(tl.int32)
+        else:
+            ids = offs_p
+        ti = tl.min(tl.where(L == mx[:, None], ids[None, :], 2147483647), axis=1)
+        amax = tl.where(mx > av, ti, tl.where(mx == av, tl.minimum(amax, ti), amax))
+        av = tl.maximum(av, mx)
     dl = L - m_new[:, None]  # [BLOCK_N, BLOCK_V], -inf at masked (and target) columns
     pe = jm.exp(dl)  # 0 at masked (and target) columns
     snt = tl.sum(pe, axis=1)
     scale = jm.exp(m - m_new)
     if ENTROPY:
         pdl = pe * dl
-        if not EVEN_V:
-            pdl = tl.where(col_mask[None, :], pdl, 0.0)  # 0 * -inf
+        if STATS or not EVEN_V:
+            pdl = tl.where(dl > float("-inf"), pdl, 0.0)  # 0 * -inf at masked (target) columns
         # (s = 0 before the first tile, where m - m_new is -inf)
         hs = tl.where(s > 0, scale * (hs + (m - m_new) * s), 0.0) + tl.sum(pdl, axis=1)
+        if STATS:
+            hs += tl.where(has_t, jm.exp(zt - m_new) * (zt - m_new), 0.0)
     s = s * scale + snt
     if STATS:
         s += tl.where(has_t, jm.exp(zt - m_new), 0.0)
@@ -126,7 +136,7 @@ def _fwd_tile(
         sptr = offs_n.to(tl.int64) * stride_st + tile
         tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
         tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
-    return m_new, s, ssum, ref, hs, amax
+    return m_new, s, ssum, ref, hs, av, amax
 
 
 @triton.heuristics(
@@ -144,7 +154,7 @@ def _fwd_tile(
 @triton.jit
 def _fwd_kernel(
     E, C, Bias, W, Erow, TPos, Zt, NValid, Perm, M0,
-    Mx, Se, Ss, St, Sq, Hs, Ix,
+    Mx, Se, Ss, St, Sq, Hs, Ax, Ix,
     N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tile_hi, n_splits,
     desc_tile0, softcap, log_eps, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -153,7 +163,7 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Per (token block, vocabulary split): running max, sum of exp, weighted logit sum (Ss),
-    entropy accumulator (Hs) and argmax (Ix) of the logits (times inv_temp with HAS_TEMP).
+    entropy accumulator (Hs), max and argmax (Ax, Ix) of the logits (times inv_temp with HAS_TEMP).
 
     Split pid_s of n_splits covers tiles [tile_lo + pid_s T // n_splits, tile_lo + (pid_s + 1) T //
     n_splits) with T = tile_hi - tile_lo (the splits differ by at most one tile), of the
@@ -196,6 +206,7 @@ def _fwd_kernel(
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     hs = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    av = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
     amax = tl.zeros((BLOCK_N,), dtype=tl.int32)
     # Balanced splits: a short last split would leave most SMs idle in the grid's last wave.
     t0 = tile_lo + (pid_s * (tile_hi - tile_lo)) // n_splits
@@ -213,8 +224,8 @@ def _fwd_kernel(
             b = C.load([(tile - desc_tile0) * BLOCK_V, ki * BLOCK_D])  # [BLOCK_V, BLOCK_D]
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
             if ki == k_tiles - 1:
-                m, s, ssum, ref, hs, amax = _fwd_tile(
-                    acc, tile, m, s, ssum, ref, zt, hs, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
+                m, s, ssum, ref, hs, av, amax = _fwd_tile(
+                    acc, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
                     tpos, V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
                     HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
                     HAS_TEMP, ENTROPY, ARGMAX, BLOCK_V,
@@ -233,8 +244,8 @@ def _fwd_kernel(
                 E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
                 BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
             )  # fmt: skip  # [BLOCK_N, BLOCK_V]
-            m, s, ssum, ref, hs, amax = _fwd_tile(
-                L, tile, m, s, ssum, ref, zt, hs, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
+            m, s, ssum, ref, hs, av, amax = _fwd_tile(
+                L, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
                 tpos, V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
                 HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
                 HAS_TEMP, ENTROPY, ARGMAX, BLOCK_V,
@@ -247,6 +258,7 @@ def _fwd_kernel(
     if ENTROPY:
         tl.store(Hs + out, hs, mask=row_mask)
     if ARGMAX:
+        tl.store(Ax + out, av, mask=row_mask)
         tl.store(Ix + out, amax, mask=row_mask)
 
 
@@ -337,7 +349,7 @@ def linear_ce_forward(
     c by default, else ``slab_bytes``) whose rows are gathered into a buffer first.
 
     ``temperature`` divides the logits after the softcap (target logits included); ``entropy``
-    and ``argmax`` add those outputs. None of the three goes with ``perm``.
+    and ``argmax`` add those outputs. A temperature does not go with ``perm``.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
@@ -348,8 +360,8 @@ def linear_ce_forward(
     n_blocks = triton.cdiv(N, BN)
     n_vtiles = triton.cdiv(V, BV)
     stats = perm is not None
-    if stats and (temperature != 1.0 or entropy or argmax):
-        raise ValueError("the tile statistics (perm) take no temperature, entropy or argmax")
+    if stats and temperature != 1.0:
+        raise ValueError("the tile statistics (perm) take no temperature")
     if tma is None:
         tma = use_tma(e2d, c) and (not stats or N >= FWD_TMA_SORTED_MIN_N)
     TD = tensor_descriptor() if tma else None
@@ -384,6 +396,7 @@ def linear_ce_forward(
     Se = torch.zeros((parts, N), dtype=f32, device=dev)
     Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else None
     Hs = torch.zeros((parts, N), dtype=f32, device=dev) if entropy else None
+    Ax = torch.full((parts, N), float("-inf"), dtype=f32, device=dev) if argmax else None
     Ix = torch.zeros((parts, N), dtype=torch.int32, device=dev) if argmax else None
     zt = torch.empty(N, dtype=f32, device=dev)
     St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev) if stats else None
@@ -415,7 +428,8 @@ def linear_ce_forward(
             E=e_arg, C=c_arg, Bias=bias, W=weight if smoothing else None, Erow=erow,
             TPos=tpos if stats else None, Zt=zt, NValid=n_valid, Perm=perm, M0=m0,
             Mx=Mx[part0:], Se=Se[part0:], Ss=None if Ss is None else Ss[part0:], St=St, Sq=Sq,
-            Hs=None if Hs is None else Hs[part0:], Ix=None if Ix is None else Ix[part0:],
+            Hs=None if Hs is None else Hs[part0:], Ax=None if Ax is None else Ax[part0:],
+            Ix=None if Ix is None else Ix[part0:],
             N=N, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), stride_part=N,
             stride_st=n_vtiles, n_vtiles=n_vtiles, tile_lo=tile_lo, tile_hi=tile_hi, n_splits=grid[1],
             desc_tile0=tile0, softcap=float(softcap), log_eps=math.log(eps) if stats else 0.0,
@@ -465,8 +479,14 @@ def linear_ce_forward(
         Sd = torch.where(done, S, 1.0)
         ent = torch.where(done, torch.log(Sd) - A / Sd, 0.0)
     if argmax:
-        # the smallest id among the splits that reach the max
+        # the smallest id among the splits reaching the max (with the tile statistics the
+        # target, kept out of the kernel's max, is one more candidate)
         big = torch.iinfo(torch.int32).max
-        amax = torch.where(Mx == M, Ix, big).amin(0).long()
+        A = Ax.amax(0)
+        if stats:
+            A = torch.maximum(A, zt)
+        amax = torch.where(Ax == A, Ix, big).amin(0).long()
+        if stats:
+            amax = torch.where(zt == A, torch.minimum(amax, tgt), amax)
         amax = torch.where(done, amax, 0)
     return FwdStats(lse, tl_, ss, St, Sq, m0, ent, amax)

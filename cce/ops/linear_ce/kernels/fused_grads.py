@@ -43,9 +43,11 @@ from .common import aligned_parts, check_inputs, device_context, mm_f32, slab_pr
 
 
 # The row kernel's maths, for row i of the chunk (z: fp32 logits from cuBLAS):
-#   L_v = softcap(z_v + bias_v)                                   (pass A and pass B)
+#   L_v = softcap(z_v + bias_v) [/ T]                             (pass A and pass B)
 #   pass A: m, s online over the row: lse = m + log(sum_v exp(L_v - m)); tgt = L_t;
-#           ssum = sum_v w_v L_v (smoothing)
+#           ssum = sum_v w_v L_v (smoothing); the entropy log s - hs / s from
+#           hs = sum_v exp(L_v - m) (L_v - m), rescaled with m as in forward.py's _fwd_tile;
+#           the argmax, the smallest id among the maxima
 #   pass B: alpha = a0 + a1 lse; dZ_v = (alpha exp(L_v - lse) - beta [v == t] - gamma w_v)
 #           (1 - tanh^2) rounded to the operand dtype in place; lo = dZ_t - round(dZ_t).
 @triton.heuristics(
@@ -55,6 +57,8 @@ from .common import aligned_parts, check_inputs, device_context, mm_f32, slab_pr
         "HAS_SMOOTH": lambda a: a["Gamma"] is not None,
         "HAS_ZLOSS": lambda a: a["A1"] is not None,
         "TARGET_LO": lambda a: a["Lo"] is not None,
+        "ENTROPY": lambda a: a["Ent"] is not None,
+        "ARGMAX": lambda a: a["Amx"] is not None,
     }
 )
 @triton.jit
@@ -65,9 +69,11 @@ def _fused_rows_kernel(
     Tgt,  # [N] int64 target (0 at ignored rows)
     A0, A1, Beta, Gamma,  # [N] fp32 coefficients (A1: None without z-loss; Gamma: without smoothing)
     Lse, Tz, Ssum, Lo,  # [N] fp32 outputs (Ssum with smoothing, Lo with 16-bit operands)
-    row0, V, Vp, stride_z, stride_dz, softcap,
+    Ent, Amx,  # [N] fp32 entropy, int64 argmax outputs, or None
+    row0, V, Vp, stride_z, stride_dz, softcap, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    TARGET_LO: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    TARGET_LO: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr,
+    ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One chunk row per program: its statistics, then its dZ row in place of its logits."""
     r = tl.program_id(0).to(tl.int64)
@@ -80,6 +86,8 @@ def _fused_rows_kernel(
     s = 0.0
     zt = 0.0
     ssum = 0.0
+    hs = 0.0
+    amax = 0
     # The loops walk the padded row (Vp, a multiple of 16: whole vectors for the loads and
     # stores); the pad classes [V, Vp) (zeros) are masked by value (`live`).
     for v0 in range(0, Vp, BLOCK_V):
@@ -90,9 +98,22 @@ def _fused_rows_kernel(
             L += tl.load(Bias + vid, mask=live, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             L, _th = jm.softcap(L, softcap)
+        if HAS_TEMP:
+            L = L * inv_temp
         Lm = tl.where(live, L, -float("inf"))
-        m_new = tl.maximum(m, tl.max(Lm, axis=0))
-        s = s * jm.exp(m - m_new) + tl.sum(jm.exp(Lm - m_new), axis=0)
+        mx = tl.max(Lm, axis=0)
+        m_new = tl.maximum(m, mx)
+        if ARGMAX:
+            ti = tl.min(tl.where(Lm == mx, vid, 2147483647), axis=0)
+            amax = tl.where(mx > m, ti, tl.where(mx == m, tl.minimum(amax, ti), amax))
+        d = Lm - m_new
+        pe = jm.exp(d)
+        scale = jm.exp(m - m_new)
+        if ENTROPY:
+            # (s = 0 before the first block, where m - m_new is -inf)
+            hs = tl.where(s > 0, scale * (hs + (m - m_new) * s), 0.0)
+            hs += tl.sum(tl.where(live, pe * d, 0.0), axis=0)
+        s = s * scale + tl.sum(pe, axis=0)
         m = m_new
         zt += tl.sum(tl.where(vid == t, L, 0.0), axis=0)
         if HAS_SMOOTH:
@@ -117,6 +138,8 @@ def _fused_rows_kernel(
             L += tl.load(Bias + vid, mask=live, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             L, th = jm.softcap(L, softcap)
+        if HAS_TEMP:
+            L = L * inv_temp
         is_t = vid == t
         dz = alpha * jm.exp(L - lse) - tl.where(is_t, beta, 0.0)  # [BLOCK_V]
         if HAS_SMOOTH:
@@ -137,12 +160,16 @@ def _fused_rows_kernel(
         tl.store(Ssum + i, ssum)
     if TARGET_LO:
         tl.store(Lo + i, lo)
+    if ENTROPY:
+        tl.store(Ent + i, tl.log(s) - hs / s)
+    if ARGMAX:
+        tl.store(Amx + i, amax.to(tl.int64))
 
 
 class FusedOut(NamedTuple):
     """Per problem row (fp32 [N]): lse, target logit, weighted logit sum (None without
     smoothing); gradients for the given coefficients: dE [M, D] in e2d's dtype, dC in c's dtype,
-    dbias fp32 (None where not asked for)."""
+    dbias fp32 (None where not asked for); the entropy (fp32) and argmax (int64) where asked for."""
 
     lse: torch.Tensor
     tgt: torch.Tensor
@@ -150,6 +177,8 @@ class FusedOut(NamedTuple):
     dE: torch.Tensor | None
     dC: torch.Tensor | None
     dbias: torch.Tensor | None
+    entropy: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
 
 
 def _logits(ec: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
@@ -182,11 +211,16 @@ def linear_ce_fused(
     need_dc: bool,
     need_dbias: bool,
     chunk_bytes: int,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    argmax: bool = False,
 ) -> FusedOut:
     """Statistics and exact gradients of problem rows ``e2d[rows]`` (``rows`` None: every row of
     e2d) for targets ``safe_t`` (any class at ignored rows, whose coefficients are 0), with the
     coefficients a0, a1, beta, gamma of cce/_math.affine_coefficients (gamma None: no smoothing).
-    Operands fp32 or bf16 / fp16 of one dtype (the coefficients must keep dZ in its range)."""
+    Operands fp32 or bf16 / fp16 of one dtype (the coefficients must keep dZ in its range).
+    ``temperature`` divides the logits after the softcap (the coefficients carry its 1 / T);
+    ``entropy`` and ``argmax`` add those outputs."""
     check_inputs(e2d, c, bias, weight, rows, safe_t, a0, a1, beta, gamma)
     N = safe_t.numel()
     V, D = c.shape
@@ -196,6 +230,8 @@ def linear_ce_fused(
     lse = torch.empty(N, dtype=f32, device=dev)
     tgt = torch.empty(N, dtype=f32, device=dev)
     ssum = torch.empty(N, dtype=f32, device=dev) if gamma is not None else None
+    ent = torch.empty(N, dtype=f32, device=dev) if entropy else None
+    amx = torch.empty(N, dtype=torch.long, device=dev) if argmax else None
     lo = torch.empty(N, dtype=f32, device=dev) if (half and (need_de or need_dbias)) else None
     dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
     dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
@@ -222,9 +258,10 @@ def linear_ce_fused(
             dzb = buf[: t - s].view(e2d.dtype)  # [rows, Vp * 4 / itemsize], same storage
             _fused_rows_kernel[(t - s,)](
                 Z=z, DZ=dzb, Bias=bias, W=weight, Tgt=safe_t, A0=a0, A1=a1, Beta=beta, Gamma=gamma,
-                Lse=lse, Tz=tgt, Ssum=ssum, Lo=lo, row0=s, V=V, Vp=Vp,
+                Lse=lse, Tz=tgt, Ssum=ssum, Lo=lo, Ent=ent, Amx=amx, row0=s, V=V, Vp=Vp,
                 stride_z=buf.stride(0), stride_dz=dzb.stride(0), softcap=float(softcap),
-                HAS_SOFTCAP=softcap > 0, BLOCK_V=BLOCK_V, num_warps=4,
+                inv_temp=1.0 / temperature, HAS_SOFTCAP=softcap > 0, HAS_TEMP=temperature != 1.0,
+                BLOCK_V=BLOCK_V, num_warps=4,
             )  # fmt: skip
             dz = dzb[:, :V]
             if dbias is not None:
@@ -242,7 +279,7 @@ def linear_ce_fused(
         dE = dE.to(e2d.dtype)
     if f32_acc and dC is not None:
         dC = dC.to(c.dtype)
-    return FusedOut(lse, tgt, ssum, dE, dC, dbias)
+    return FusedOut(lse, tgt, ssum, dE, dC, dbias, ent, amx)
 
 
 # out[rows[i]] = round(dE_i + lo_i c[t_i]) (rows None: out[i]): the target entries' rounding
