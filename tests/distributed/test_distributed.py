@@ -135,6 +135,14 @@ SHARDED_TOKEN_CASES: dict[str, dict] = {
         opts=dict(softcap=4.0, label_smoothing=0.1, z_loss=1e-3, return_lse=True, reduction="none"),
     ),  # fmt: skip
 }
+# ... with impl="triton" (interpreter): the gathered tokens' block through the single-device op.
+TRITON_SHARDED_TOKEN_CASES: dict[str, dict] = {
+    "tokens_sharded_triton": dict(
+        impl="triton",
+        tuning=dict(backward="sparse"),
+        opts=dict(shift=True, label_smoothing=0.1, filter_eps=1e-9),
+    ),
+}
 ERROR_CASES = (
     "err_e_mismatch",
     "err_targets_mismatch",
@@ -297,9 +305,10 @@ def _filter_case(name, spec, rank, world, group):
 
 def _sharded_tokens_case(name, spec, rank, world, group):
     from cce.distributed import vocab_parallel_sharded_tokens
-    from cce.options import CCEOptions
+    from cce.options import CCEOptions, Tuning
 
     opts = spec["opts"]
+    impl = spec.get("impl", "torch")
     inputs = [_inputs(f"{name}-{r}", spec) for r in range(world)]
     # Every rank's tokens: the first 3 + r sequences (different counts per rank); c, b, w shared.
     _, c, _, b, w = inputs[0]
@@ -308,7 +317,7 @@ def _sharded_tokens_case(name, spec, rank, world, group):
     block = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     refs = [
         loss_and_grads(
-            lambda *a, **k: cce.linear_cross_entropy(*a, weight=w, impl="torch", **k),
+            lambda *a, **k: cce.linear_cross_entropy(*a, weight=w, impl=impl, **k),
             _leaf(er),
             _leaf(c),
             tr,
@@ -322,13 +331,14 @@ def _sharded_tokens_case(name, spec, rank, world, group):
     wl = None if w is None else w[block]
 
     def fn(e_, c_, t_, b_, **k):
-        return vocab_parallel_sharded_tokens(e_, c_, t_, b_, wl, CCEOptions(impl="torch", **k), group)
+        o = CCEOptions(impl=impl, tuning=Tuning(**spec.get("tuning", {})), **k)
+        return vocab_parallel_sharded_tokens(e_, c_, t_, b_, wl, o, group)
 
     got = loss_and_grads(fn, _leaf(e), _leaf(c, block), t, _leaf(b, block),
                          generator=torch.Generator().manual_seed(7 + rank), **opts)  # fmt: skip
     # This rank's loss and dE are its own tokens'; dC / dbias of the block sum every rank's.
     ref_loss, ref_lse, ref_grads = refs[rank]
-    summed = [ref_grads[0]] + [sum(ref[2][i] for ref in refs) for i in (1, 2)]
+    summed = [ref_grads[0]] + [sum(ref[2][i] for ref in refs) for i in range(1, len(ref_grads))]
     _compare(name, got, (ref_loss, ref_lse, summed), TOL_FP32, block)
 
 
@@ -699,8 +709,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
                 _eq_case(name, TRITON_CASES[name], rank, world, group)
             elif name in FILTER_CASES or name in TRITON_FILTER_CASES:
                 _filter_case(name, {**FILTER_CASES, **TRITON_FILTER_CASES}[name], rank, world, group)
-            elif name in SHARDED_TOKEN_CASES:
-                _sharded_tokens_case(name, SHARDED_TOKEN_CASES[name], rank, world, group)
+            elif name in SHARDED_TOKEN_CASES or name in TRITON_SHARDED_TOKEN_CASES:
+                spec = {**SHARDED_TOKEN_CASES, **TRITON_SHARDED_TOKEN_CASES}[name]
+                _sharded_tokens_case(name, spec, rank, world, group)
             elif name in DTENSOR_CASES:
                 _dtensor_case(name, rank, world, group)
             elif name in ERROR_CASES:
@@ -737,6 +748,7 @@ ALL_CASES = [
     *(TRITON_FILTER_CASES if INTERPRETING else ()),
     *DTENSOR_CASES,
     *SHARDED_TOKEN_CASES,
+    *(TRITON_SHARDED_TOKEN_CASES if INTERPRETING else ()),
     *ERROR_CASES,
     *CACHE_CASES,
     *(CACHE_COMPILE_CASES if INTERPRETING else ()),
