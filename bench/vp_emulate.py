@@ -56,6 +56,8 @@ def one_rank_group(device: torch.device):
     """The default process group, initialised here with one rank where there is none."""
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and device.index is None:  # NCCL wants an indexed device
+            device = torch.device("cuda", torch.cuda.current_device())
         kw = dict(device_id=device) if device.type == "cuda" else {}
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
     if dist.get_world_size() != 1:
