@@ -1,9 +1,10 @@
 """The host side of the Triton backward algorithms: row and vocabulary orders, the skipped
 tiles' rank-1 corrections of the recomputing backward, and the plan of the sparse one.
 
-``coefficient_backward`` (exact or recomputing, for given per-row coefficients) also serves the
-vocabulary-parallel path (cce/distributed/); ``sparse_backward`` reads the forward's encoded tile
-statistics. docs/design.md has the error bounds.
+``coefficient_backward`` (exact or recomputing, for given per-row coefficients) serves
+``loss_backward``; ``sparse_backward`` reads the forward's encoded tile statistics. (A
+vocabulary-parallel rank runs the forward op and these backwards on its block:
+cce/ops/linear_ce/local.py.) docs/design.md has the error bounds.
 """
 
 from __future__ import annotations

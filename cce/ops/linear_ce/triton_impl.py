@@ -543,15 +543,3 @@ def linear_ce_triton(
         tuning.first_order, float(temperature), entropy, argmax,
     )  # fmt: skip
     return out[0], out[1], out[8], out[9] if entropy else None, out[10] if argmax else None
-
-
-def forward_stats(e2d, c, bias, weight, rows, targets, ignore_index: int, softcap: float, smoothing: bool):
-    """(lse, tgt, ssum or None) per problem row, fp32, 0 at ignored rows: the statistics alone,
-    for callers that assemble the loss themselves (cce/ops/linear_ce/local.py)."""
-    e2d, c, bias, weight = kernel_operands(e2d, c, bias, weight)
-    r = RowOrder(targets, rows, ignore_index)
-    st = linear_ce_forward(
-        e2d, c, bias, weight, r.erow_s, r.safe_t.index_select(0, r.perm), r.n_valid, softcap, smoothing
-    )  # fmt: skip
-    ssum = r.unsort(st.ssum) if smoothing else None
-    return r.unsort(st.lse), r.unsort(st.tgt), ssum
