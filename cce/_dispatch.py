@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .options import SPARSE_MIN_CLASSES_CUDA, SPARSE_MIN_FLOPS_CUDA, CCEOptions, Tuning
+from .options import SPARSE_MIN_CLASSES_CUDA, SPARSE_MIN_FLOPS_CUDA, Tuning
 
 # The sparse backward serves filtered training steps from this threshold up (the bf16 / fp16
 # defaults): a kept tile past its dZ scratch costs one recompute per D chunk of the output, cheap
@@ -33,23 +33,6 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def impl_for_outputs(opts: CCEOptions, impl: str, linear: bool = False) -> str:
-    """``impl`` ('torch' or 'triton', from select_impl) for a call with ``opts``' temperature and
-    per-token outputs. The linear level's kernels form them all (``linear``); the logits level's
-    take no temperature and form neither the entropy nor the argmax yet (the log-probabilities
-    they give), so there "auto" runs the PyTorch implementation (on the same device) for such
-    calls and an explicit "triton" raises."""
-    kernel_outputs = opts.return_entropy or opts.return_argmax or opts.return_accuracy
-    if linear or impl != "triton" or (opts.temperature == 1.0 and not kernel_outputs):
-        return impl
-    if opts.impl == "triton":
-        raise NotImplementedError(
-            "impl='triton' does not yet support temperature != 1 or the entropy, argmax and "
-            "accuracy outputs; use impl='torch' or impl='auto'"
-        )
-    return "torch"
 
 
 def select_impl(impl: str, device: torch.device) -> str:

@@ -241,20 +241,9 @@ def test_wrong_types_name_the_argument(name):
         cce.linear_cross_entropy(e, c, t, **{name: True if name == "temperature" else 1})
 
 
-def test_logits_level_triton_and_vocab_parallel_not_yet(monkeypatch):
-    """The logits level's Triton kernels take no temperature and form no entropy or argmax yet:
-    impl="triton" named explicitly says so, "auto" runs impl="torch" for them; vocabulary
-    parallelism refuses the outputs at the linear level."""
-    import cce.ops.cross_entropy.api as api
-
-    x, t = torch.randn(3, 7), torch.tensor([1, 2, 3])
-    monkeypatch.setattr(api, "select_impl", lambda impl, device: "triton")
-    with pytest.raises(NotImplementedError, match="impl='triton'"):
-        cce.cross_entropy(x, t, impl="triton", temperature=2.0)
-    out = cce.cross_entropy(x, t, return_entropy=True)  # auto: the torch implementation
-    want = cce.reference.cross_entropy_reference(x, t, return_entropy=True)
-    torch.testing.assert_close(out.entropy, want.entropy)
-    e, c = torch.randn(3, 4), torch.randn(7, 4)
+def test_vocab_parallel_not_yet():
+    """Vocabulary parallelism refuses a temperature and the per-token outputs (not built yet)."""
+    e, c, t = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
     with pytest.raises(NotImplementedError, match="vocabulary parallelism"):
         cce.linear_cross_entropy(e, c, t, return_argmax=True, process_group=object())
 
@@ -282,12 +271,58 @@ def test_compiles_fullgraph():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.booleans())
 def test_logits_level_against_oracle(problem, inplace):
-    """cce.cross_entropy (logits level): every output and the gradient through all of them equal
-    the fp64 oracle within the module docstring's bounds (dX's rows: the per-row bound on
-    sum_v |dZ err|, which bounds the row's L2 error), the gradient also written in place."""
+    """cce.cross_entropy (logits level, impl="torch"): every output and the gradient through all
+    of them equal the fp64 oracle within the module docstring's bounds (dX's rows: the per-row
+    bound on sum_v |dZ err|, which bounds the row's L2 error), the gradient also written in
+    place."""
+    _check_logits_level(problem, inplace, "torch")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.booleans(), st.sampled_from([None, 2]))
+def test_triton_logits_level_against_oracle(problem, inplace, splits):
+    """The same with impl="triton" (the interpreter): fp32 logits (multiples of 1/2, exact in
+    fp32 and often tied at the max), walked in 16-class blocks, in one program per
+    row or in two vocabulary splits merged on the host. The kernels' sums run in fp32 over V
+    terms (not fp64 rounded once), so the bounds take (V + 8) u in place of 8 u, as in the linear
+    level's Triton test, and the gradient's rounding to fp32 one u more."""
+    pytest.importorskip("triton")
+    import cce.ops.cross_entropy.kernels as K
+
+    real, forced = K.split_plan, splits
+    with pytest.MonkeyPatch.context() as mp:
+        # 16-class blocks (several per row) and, with splits, two programs per row
+        mp.setattr(K, "default_config", lambda dtype, backward: (16, 4, 1))
+        mp.setattr(K, "split_plan", lambda N, V, block_v, device, splits=None, min_splits=1: real(
+            N, V, block_v, device, splits=forced, min_splits=min_splits))  # fmt: skip
+        _check_logits_level(problem, inplace, "triton")
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_triton_logits_argmax_ties_across_blocks(splits, monkeypatch):
+    """Tied largest logits in different 16-class blocks and vocabulary splits: the smallest id."""
+    pytest.importorskip("triton")
+    import cce.ops.cross_entropy.kernels as K
+
+    real, forced = K.split_plan, splits
+    monkeypatch.setattr(K, "default_config", lambda dtype, backward: (16, 4, 1))
+    monkeypatch.setattr(K, "split_plan", lambda N, V, block_v, device, splits=None, min_splits=1: real(
+        N, V, block_v, device, splits=forced, min_splits=min_splits))  # fmt: skip
+    gen = torch.Generator().manual_seed(8)
+    x = torch.rand(6, 100, generator=gen)
+    ties = [[5, 40, 90], [40, 90], [17, 18], [90, 99], [0, 99], [33, 64, 65]]
+    for i, cols in enumerate(ties):
+        x[i, cols] = 2.0
+    out = cce.cross_entropy(x, torch.zeros(6, dtype=torch.long), impl="triton", return_argmax=True)
+    assert out.argmax.tolist() == [cols[0] for cols in ties]
+
+
+def _check_logits_level(problem, inplace, impl):
     lead, _, V, opts, _, ignore, seed = problem
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(*lead, V, generator=gen, dtype=torch.float64) * 3.0
+    if impl == "triton":
+        x0 = (x0 * 2).round() / 2  # exact in fp32, and ties of the largest logit are frequent
     t = torch.randint(0, V, lead, generator=gen)
     t[torch.rand(lead, generator=gen) < ignore] = -100
     kw = _all_outputs(**opts)
@@ -304,9 +339,12 @@ def test_logits_level_against_oracle(problem, inplace):
     ref, gref, ups = fn(
         x, lambda x, t, **k: cce.reference.cross_entropy_reference(x, t, dtype=torch.float64, **k)
     )
-    xin = (x0.clone().requires_grad_() * 1.0) if inplace else x0.clone().requires_grad_()
-    got, ggot, _ = fn(xin, cce.cross_entropy, impl="torch", inplace_backward=inplace)
+    x1 = x0.float() if impl == "triton" else x0
+    xin = (x1.clone().requires_grad_() * 1.0) if inplace else x1.clone().requires_grad_()
+    got, ggot, _ = fn(xin, cce.cross_entropy, impl=impl, inplace_backward=inplace)
     out_bound, row = _row_bounds(x0, t, ref, ups, **opts)
+    if impl == "triton":  # fp32 sums over V terms, the fp32 gradient's own rounding
+        out_bound, row = out_bound * (V + 8) / 8, row * (V + 9) / 8
     for name in ("lse", "logprobs", "entropy"):
         x_, y_ = getattr(got, name), getattr(ref, name)
         assert x_.shape == y_.shape and bool(((x_.double() - y_).abs().reshape(-1) <= out_bound).all()), name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..._dispatch import impl_for_outputs, select_impl
+from ..._dispatch import select_impl
 from ..._validation import check_logits_inputs
 from ...options import CCEOptions
 from ...outputs import assemble
@@ -47,7 +47,7 @@ def _flat_targets(targets: torch.Tensor, opts: CCEOptions) -> torch.Tensor:
 
 
 def _resolve_impl(opts: CCEOptions, logits: torch.Tensor) -> str:
-    impl = impl_for_outputs(opts, select_impl(opts.impl, logits.device))
+    impl = select_impl(opts.impl, logits.device)
     if impl == "triton" and logits.dtype == torch.float64:
         if opts.impl == "triton":
             raise TypeError(
@@ -164,8 +164,7 @@ def cross_entropy(
         return_lse: also return the (differentiable) log-sum-exp per token, 0 at ignored tokens.
         temperature, return_logprobs, return_entropy, return_argmax, return_accuracy: as in
             :func:`cce.linear_cross_entropy` (a :class:`cce.LossOutputs` is returned with any of
-            the four outputs; for now a temperature other than 1 and the entropy, argmax and
-            accuracy run ``impl="torch"``).
+            the four outputs), formed by the same pass over the logits as the loss.
 
     Returns:
         The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``

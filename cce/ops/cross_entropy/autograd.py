@@ -33,9 +33,9 @@ class FwdArgs(NamedTuple):
     inplace: bool  # the backward writes the gradient into the logits
     precompute: bool  # the row coefficients for a unit upstream gradient, in the forward
     chunk_bytes: int | None  # impl="torch": bytes of chunk temporaries (None: its default)
-    temperature: float  # the logits are softcap(logits) / temperature (impl="torch" only, for now)
-    want_entropy: bool  # the per-row entropy of the softmax, an output (impl="torch" only)
-    want_argmax: bool  # the per-row argmax, an output (impl="torch" only)
+    temperature: float  # the logits are softcap(logits) / temperature
+    want_entropy: bool  # the per-row entropy of the softmax, an output
+    want_argmax: bool  # the per-row argmax, an output
 
 
 class BwdArgs(NamedTuple):
@@ -51,7 +51,7 @@ class BwdArgs(NamedTuple):
     softcap: float
     smoothing: bool
     chunk_bytes: int | None
-    eta: torch.Tensor | None  # [N] fp32 coefficient of the entropy's term p z (impl="torch" only)
+    eta: torch.Tensor | None  # [N] fp32 coefficient of the entropy's term p z
     temperature: float
 
 

@@ -43,21 +43,43 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+def _fwd_block(
+    x, cols, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_TEMP: tl.constexpr,
+    ENTROPY: tl.constexpr, ARGMAX: tl.constexpr,
+):  # fmt: skip
     """One block of the online softmax; x already holds -inf at masked-off classes.
 
     m is the running max of L * log2(e); s = sum 2^(L log2 e - m). Masked entries contribute
-    exp2(-inf) = 0 to s and (via w = 0) nothing to ssum.
+    exp2(-inf) = 0 to s and (via w = 0) nothing to ssum. L = softcap(x) [* inv_temp].
+
+    ENTROPY: hs = sum 2^(L2 - m) (L2 - m), relative to the running max (rescaled when it grows:
+    hs' = 2^(m - m') (hs + (m - m') s)); the entropy is ln 2 (log2 s - hs / s). ARGMAX: av, the
+    running max of L, and amax the smallest class reaching it.
     """
     L, _ = _capped(x, softcap, HAS_SOFTCAP)
     if HAS_SOFTCAP:
         L = tl.where(x == float("-inf"), float("-inf"), L)  # softcap maps -inf to -softcap
+    if HAS_TEMP:
+        L = L * inv_temp
+    if ARGMAX:
+        mx = tl.max(L, 0)
+        ti = tl.min(tl.where(L == mx, cols, 2147483647), 0)
+        amax = tl.where(mx > av, ti, tl.where(mx == av, tl.minimum(amax, ti), amax))
+        av = tl.maximum(av, mx)
     L2 = L * LOG2E
     m_new = tl.maximum(m, tl.max(L2, 0))
-    s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(L2 - m_new), 0)
+    d = L2 - m_new
+    pe = tl.exp2(d)
+    scale = tl.exp2(m - m_new)
+    if ENTROPY:
+        # (s = 0 before the first live block; 0 * -inf at masked classes)
+        hs = tl.where(s > 0, scale * (hs + (m - m_new) * s), 0.0)
+        hs += tl.sum(tl.where(pe > 0, pe * d, 0.0), 0)
+    s = s * scale + tl.sum(pe, 0)
     if HAS_SMOOTHING:
         ssum += tl.sum(tl.where(w != 0, L, 0.0) * w, 0)  # masked: L = -inf, w = 0
-    return m_new, s, ssum
+    return m_new, s, ssum, hs, av, amax
 
 
 @triton.heuristics(
@@ -65,6 +87,8 @@ def _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHI
         "HAS_ROW_OFF": lambda a: a["ROW_OFF"] is not None,
         "HAS_WEIGHT": lambda a: a["W"] is not None,
         "HAS_SMOOTHING": lambda a: a["SSUM"] is not None,
+        "ENTROPY": lambda a: a["ENT"] is not None,
+        "ARGMAX": lambda a: a["AMX"] is not None,
     }
 )
 @triton.jit
@@ -77,15 +101,22 @@ def _ce_fwd_kernel(
     LSE,  # [N] fp32, or [N, n_splits] partial lse (SPLIT)
     TGT,  # [N] fp32 target logit
     SSUM,  # [N] or [N, n_splits] fp32 weighted logit sums, or None (no label smoothing)
+    ENT,  # [N] or [N, n_splits] fp32 entropy (of the split's own softmax), or None
+    AMV,  # [N, n_splits] fp32 the split's max logit (SPLIT and ARGMAX), or None
+    AMX,  # [N] int64 or [N, n_splits] int32 argmax, or None
     V,
     v_per_split,  # multiple of BLOCK_V
     n_splits,
     ignore_index,
     softcap,
+    inv_temp,
     HAS_ROW_OFF: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    ARGMAX: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
@@ -107,6 +138,9 @@ def _ce_fwd_kernel(
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     ssum = tl.zeros((), tl.float32)
+    hs = tl.zeros((), tl.float32)
+    av = tl.full((), float("-inf"), tl.float32)
+    amax = tl.zeros((), tl.int32)
     one = tl.full((BLOCK_V,), 1.0, tl.float32)
     for b in range(0, n_full):
         cols = v_start + b * BLOCK_V + offs  # [BLOCK_V]
@@ -114,7 +148,10 @@ def _ce_fwd_kernel(
         w = one
         if HAS_WEIGHT:
             w = tl.load(W + cols).to(tl.float32)
-        m, s, ssum = _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+        m, s, ssum, hs, av, amax = _fwd_block(
+            x, cols, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, ENTROPY, ARGMAX,
+        )  # fmt: skip
     # Tail block (partial or empty); all masked for ignored rows. (The mask is one comparison:
     # the interpreter rejects a block mask combined with a scalar condition.)
     cols = v_start + n_full * BLOCK_V + offs
@@ -123,33 +160,57 @@ def _ce_fwd_kernel(
     w = tl.where(mask, 1.0, 0.0)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    m, s, ssum = _fwd_block(x, w, m, s, ssum, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+    m, s, ssum, hs, av, amax = _fwd_block(
+        x, cols, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
+        HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, ENTROPY, ARGMAX,
+    )  # fmt: skip
 
     lse = (m + tl.log2(s)) * LN2
     lse = tl.where(active, lse, 0.0)
     ssum = tl.where(active, ssum, 0.0)
+    if ENTROPY:
+        ent = tl.where(active, (tl.log2(s) - hs / s) * LN2, 0.0)
     if SPLIT:
         tl.store(LSE + row * n_splits + split, lse)
         if HAS_SMOOTHING:
             tl.store(SSUM + row * n_splits + split, ssum)
+        if ENTROPY:
+            tl.store(ENT + row * n_splits + split, ent)
+        if ARGMAX:
+            tl.store(AMV + row * n_splits + split, av)
+            tl.store(AMX + row * n_splits + split, amax)
     else:
         tl.store(LSE + row, lse)
         if HAS_SMOOTHING:
             tl.store(SSUM + row, ssum)
+        if ENTROPY:
+            tl.store(ENT + row, ent)
+        if ARGMAX:
+            tl.store(AMX + row, amax.to(tl.int64))
     if split == 0:
         safe_t = tl.where(active, t, 0)  # an ignored row reads its first element, then drops it
         xt = tl.load(x_row + safe_t).to(tl.float32)
         Lt, _ = _capped(xt, softcap, HAS_SOFTCAP)
+        if HAS_TEMP:
+            Lt = Lt * inv_temp
         tl.store(TGT + row, tl.where(active, Lt, 0.0))
 
 
 @triton.jit
 def _bwd_block(
-    x, cols, t, w, lse2, alpha, beta, gamma, softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr
-):
+    x, cols, t, w, lse2, alpha, beta, gamma, eta, softcap, inv_temp,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+):  # fmt: skip
+    """(alpha p [+ eta p L] - beta [v == t] [- gamma w]) softcap', L = softcap(x) [* inv_temp]
+    (the coefficients carry the temperature's 1 / T)."""
     L, th = _capped(x, softcap, HAS_SOFTCAP)
+    if HAS_TEMP:
+        L = L * inv_temp
     p = tl.exp2(L * LOG2E - lse2)
-    d = alpha * p - tl.where(cols == t, beta, 0.0)
+    if HAS_ETA:
+        d = p * (alpha + eta * L) - tl.where(cols == t, beta, 0.0)
+    else:
+        d = alpha * p - tl.where(cols == t, beta, 0.0)
     if HAS_SMOOTHING:
         d -= gamma * w
     if HAS_SOFTCAP:
@@ -163,6 +224,7 @@ def _bwd_block(
         "HAS_WEIGHT": lambda a: a["W"] is not None,
         "HAS_SMOOTHING": lambda a: a["GAMMA"] is not None,
         "HAS_SCALE": lambda a: a["SCALE"] is not None,
+        "HAS_ETA": lambda a: a["ETA"] is not None,
     }
 )
 @triton.jit
@@ -179,16 +241,20 @@ def _ce_bwd_kernel(
     BETA,
     GAMMA,  # [N] fp32 smoothing coefficient, or None (no label smoothing)
     SCALE,  # 0-d fp32 multiplying alpha, beta, gamma (the upstream gradient), or None
+    ETA,  # [N] fp32 the entropy's coefficient (eta p L), or None
     V,
     v_per_split,
     ignore_index,
     softcap,
+    inv_temp,
     HAS_ROW_OFF: tl.constexpr,
     DX_ROW_OFF: tl.constexpr,  # DX rows at the same offsets as X's (in place)
     HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
+    HAS_ETA: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -211,6 +277,9 @@ def _ce_bwd_kernel(
     gamma = tl.zeros((), tl.float32)
     if HAS_SMOOTHING:
         gamma = tl.load(GAMMA + row)
+    eta = tl.zeros((), tl.float32)
+    if HAS_ETA:
+        eta = tl.load(ETA + row)
     if HAS_SCALE:
         sc = tl.load(SCALE)
         alpha *= sc
@@ -228,7 +297,10 @@ def _ce_bwd_kernel(
             w = one
             if HAS_WEIGHT:
                 w = tl.load(W + cols).to(tl.float32)
-            d = _bwd_block(x, cols, t, w, lse2, alpha, beta, gamma, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+            d = _bwd_block(
+                x, cols, t, w, lse2, alpha, beta, gamma, eta, softcap, inv_temp,
+                HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, HAS_ETA,
+            )  # fmt: skip
             tl.store(dx_row + cols, d.to(DX.dtype.element_ty))
     else:
         # Ignored rows: zeros, without reading the logits.
@@ -241,7 +313,10 @@ def _ce_bwd_kernel(
     w = one
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    d = _bwd_block(x, cols, t, w, lse2, alpha, beta, gamma, softcap, HAS_SOFTCAP, HAS_SMOOTHING)
+    d = _bwd_block(
+        x, cols, t, w, lse2, alpha, beta, gamma, eta, softcap, inv_temp,
+        HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, HAS_ETA,
+    )  # fmt: skip
     d = tl.where(active, d, 0.0)
     tl.store(dx_row + cols, d.to(DX.dtype.element_ty), mask=mask)
 
@@ -312,19 +387,27 @@ def ce_forward(
     block_v: int | None = None,
     num_warps: int | None = None,
     splits: int | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    argmax: bool = False,
 ):
-    """Per-row (lse, target logit, ssum or None) in fp32 of logits ``(..., V)``; targets flat [N].
+    """Per-row (lse, target logit, ssum or None, entropy or None, argmax or None) of logits
+    ``(..., V)`` divided by ``temperature`` after the softcap; targets flat [N]. fp32, argmax
+    int64 (the smallest class among the maxima).
 
-    lse, tgt and ssum are 0 at ignored rows (targets == ignore_index).
+    lse, tgt, ssum and entropy are 0 at ignored rows (targets == ignore_index).
     """
     V = logits.shape[-1]
     N = targets.numel()
     dev = logits.device
-    lse = torch.empty(N, dtype=torch.float32, device=dev)
-    tgt = torch.empty(N, dtype=torch.float32, device=dev)
-    ssum = torch.empty(N, dtype=torch.float32, device=dev) if smoothing else None
+    f32 = torch.float32
+    lse = torch.empty(N, dtype=f32, device=dev)
+    tgt = torch.empty(N, dtype=f32, device=dev)
+    ssum = torch.empty(N, dtype=f32, device=dev) if smoothing else None
+    ent = torch.empty(N, dtype=f32, device=dev) if entropy else None
+    amx = torch.empty(N, dtype=torch.long, device=dev) if argmax else None
     if N == 0:
-        return lse, tgt, ssum
+        return lse, tgt, ssum, ent, amx
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     cfg = default_config(logits.dtype, backward=False)
@@ -333,24 +416,37 @@ def ce_forward(
     n_splits, v_per_split = split_plan(N, V, block_v, device=dev, splits=splits, min_splits=cfg[2])
     x, stride_n, row_off = row_layout(logits)
     split = n_splits > 1
+    pamv = None
     if split:
-        plse = torch.empty(N, n_splits, dtype=torch.float32, device=dev)
-        pssum = torch.empty(N, n_splits, dtype=torch.float32, device=dev) if smoothing else None
+        plse = torch.empty(N, n_splits, dtype=f32, device=dev)
+        pssum = torch.empty(N, n_splits, dtype=f32, device=dev) if smoothing else None
+        pent = torch.empty(N, n_splits, dtype=f32, device=dev) if entropy else None
+        pamv = torch.empty(N, n_splits, dtype=f32, device=dev) if argmax else None
+        pamx = torch.empty(N, n_splits, dtype=torch.int32, device=dev) if argmax else None
     else:
-        plse, pssum = lse, ssum
+        plse, pssum, pent, pamx = lse, ssum, ent, amx
     _ce_fwd_kernel[(N, n_splits)](
         X=x, ROW_OFF=row_off, stride_n=stride_n, T=targets,
         W=weight.contiguous() if (weight is not None and smoothing) else None,
-        LSE=plse, TGT=tgt, SSUM=pssum, V=V, v_per_split=v_per_split, n_splits=n_splits,
-        ignore_index=ignore_index, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, SPLIT=split,
-        BLOCK_V=block_v, num_warps=num_warps,
+        LSE=plse, TGT=tgt, SSUM=pssum, ENT=pent, AMV=pamv, AMX=pamx, V=V, v_per_split=v_per_split,
+        n_splits=n_splits, ignore_index=ignore_index, softcap=float(softcap), inv_temp=1.0 / temperature,
+        HAS_SOFTCAP=softcap > 0, HAS_TEMP=temperature != 1.0, SPLIT=split, BLOCK_V=block_v,
+        num_warps=num_warps,
     )  # fmt: skip
     if split:
         # Ignored rows hold 0 in every partial; their combined lse (log n_splits) is reset by the caller.
         torch.logsumexp(plse, dim=1, out=lse)
         if smoothing:
             torch.sum(pssum, dim=1, out=ssum)
-    return lse, tgt, ssum
+        if entropy:
+            # H = sum_s w_s (H_s + lse - lse_s), w_s = e^(lse_s - lse): the splits' own entropies
+            # (each relative to its own max) and their share of the mass, no cancellation.
+            dl = plse - lse[:, None]
+            torch.sum(torch.exp(dl) * (pent - dl), dim=1, out=ent)
+        if argmax:
+            top = pamv.amax(1, keepdim=True)
+            amx.copy_(torch.where(pamv == top, pamx, torch.iinfo(torch.int32).max).amin(1))
+    return lse, tgt, ssum, ent, amx
 
 
 def ce_backward(
@@ -370,8 +466,13 @@ def ce_backward(
     block_v: int | None = None,
     num_warps: int | None = None,
     splits: int | None = None,
+    eta: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """dloss/dlogits in the logits' dtype and shape (contiguous), or written into ``logits``.
+
+    ``eta`` ([N] fp32) adds the entropy's term eta p L; a ``temperature`` divides the logits after
+    the softcap (alpha, beta, gamma, eta carry its 1 / T already).
 
     ``scale`` (0-d fp32 tensor, or None) multiplies alpha, beta and gamma on the device.
     With ``inplace`` the gradient overwrites ``logits`` and ``logits`` is returned. A logits tensor
@@ -382,7 +483,7 @@ def ce_backward(
     if inplace and logits.stride(-1) != 1 and V > 1:
         tmp = ce_backward(logits.contiguous(), targets, weight, lse, alpha, beta, gamma, ignore_index,
                           softcap, smoothing, scale=scale, inplace=True, block_v=block_v,
-                          num_warps=num_warps, splits=splits)  # fmt: skip
+                          num_warps=num_warps, splits=splits, eta=eta, temperature=temperature)  # fmt: skip
         logits.copy_(tmp)
         return logits
     src = logits if (logits.stride(-1) == 1 or V == 1) else logits.contiguous()
@@ -401,9 +502,9 @@ def ce_backward(
     _ce_bwd_kernel[(N, n_splits)](
         X=x, ROW_OFF=row_off, stride_n=stride_n, DX=dx, stride_dn=stride_dn, T=targets,
         W=weight.contiguous() if (weight is not None and smoothing) else None,
-        LSE=lse, ALPHA=alpha, BETA=beta, GAMMA=gamma if smoothing else None, SCALE=scale,
+        LSE=lse, ALPHA=alpha, BETA=beta, GAMMA=gamma if smoothing else None, SCALE=scale, ETA=eta,
         V=V, v_per_split=v_per_split, ignore_index=ignore_index, softcap=float(softcap),
-        DX_ROW_OFF=inplace and row_off is not None, HAS_SOFTCAP=softcap > 0, BLOCK_V=block_v,
-        num_warps=num_warps,
+        inv_temp=1.0 / temperature, DX_ROW_OFF=inplace and row_off is not None, HAS_SOFTCAP=softcap > 0,
+        HAS_TEMP=temperature != 1.0, BLOCK_V=block_v, num_warps=num_warps,
     )  # fmt: skip
     return dx

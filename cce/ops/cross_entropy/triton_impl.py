@@ -10,19 +10,16 @@ from .kernels import ce_backward, ce_forward
 
 
 def _stats(a: FwdArgs):
-    # (The dispatch sends a temperature and the per-token outputs to impl="torch" for now.)
-    assert a.temperature == 1.0 and not (a.want_entropy or a.want_argmax)
-    lse, tgt, ssum = ce_forward(
-        a.logits, a.targets, a.weight, a.ignore_index, a.softcap, a.label_smoothing > 0
-    )
-    return lse, tgt, ssum, None, None
+    return ce_forward(
+        a.logits, a.targets, a.weight, a.ignore_index, a.softcap, a.label_smoothing > 0,
+        temperature=a.temperature, entropy=a.want_entropy, argmax=a.want_argmax,
+    )  # fmt: skip
 
 
 def _grad(a: BwdArgs, inplace: bool) -> torch.Tensor:
-    assert a.eta is None and a.temperature == 1.0
     return ce_backward(
         a.logits, a.targets, a.weight, a.lse, a.alpha, a.beta, a.gamma, a.ignore_index, a.softcap,
-        a.smoothing, scale=a.scale, inplace=inplace,
+        a.smoothing, scale=a.scale, inplace=inplace, eta=a.eta, temperature=a.temperature,
     )  # fmt: skip
 
 

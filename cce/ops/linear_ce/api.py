@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..._dispatch import impl_for_outputs, is_dtensor, needs_grad, select_impl
+from ..._dispatch import is_dtensor, needs_grad, select_impl
 from ..._validation import check_linear_inputs
 from ...options import CCEOptions
 from ...outputs import assemble
@@ -58,7 +58,7 @@ def _autocast_operands(e, c, bias):
 
 
 def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
-    impl = impl_for_outputs(opts, select_impl(opts.impl, e.device), linear=True)
+    impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)

@@ -1,4 +1,5 @@
-"""Per-token outputs and the temperature on impl="triton" at real sizes, bf16 (make test-gpu).
+"""Per-token outputs and the temperature on impl="triton" at real sizes, bf16 (make test-gpu); the
+linear level, and the logits level at the end.
 
 The reference is cce.reference.linear_cross_entropy_reference in fp64 from the *same* bf16
 inputs, so the errors are the kernels' alone:
@@ -15,9 +16,13 @@ inputs, so the errors are the kernels' alone:
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+import cce
+import cce.reference
 from bench.data import make_inputs
 from bench.reference import rel_l2
 from cce import linear_cross_entropy
@@ -107,3 +112,44 @@ def test_entropy_bonus_step_captures_and_compiles():
     got.backward()
     torch.testing.assert_close(got, want.detach())
     assert rel_l2(ee2.grad.float(), ee.grad.float()) <= 1e-6
+
+
+@pytest.mark.parametrize("temperature,softcap", [(1.0, None), (0.7, 30.0)])
+def test_logits_level_outputs_bf16(temperature, softcap):
+    """cce.cross_entropy (logits level) on bf16 logits: every output against the fp64 oracle on
+    the same logits (exact in fp32). The kernels' fp32 sums: a tree within each block of
+    BLOCK_V classes (log2 BLOCK_V roundings) and a running sum over the blocks (one per block),
+    so k = log2(BLOCK_V) + V / BLOCK_V + 8 units u in place of the CPU tests' (V + 8); the
+    gradient (bf16, rounded once) within the 5e-3 target."""
+    from cce.ops.cross_entropy.kernels import default_config
+
+    N, V = 2048, 32003
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x = (torch.randn(N, V, generator=g, device="cuda") * 3).bfloat16()
+    t = torch.randint(0, V, (N,), generator=g, device="cuda")
+    t[::9] = -100
+    kw = dict(temperature=temperature, softcap=softcap, **ALL)
+    xx = x.clone().requires_grad_()
+    got = cce.cross_entropy(xx, t, impl="triton", **kw)
+    (gx,) = torch.autograd.grad(_objective(got, 5), (xx,))
+    x64 = x.double().requires_grad_()
+    ref = cce.reference.cross_entropy_reference(x64, t, dtype=torch.float64, **kw)
+    (rx,) = torch.autograd.grad(_objective(ref, 5), (x64,))
+    with torch.no_grad():
+        z = x.double()
+        if softcap:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        block_v = default_config(torch.bfloat16, backward=False)[0]
+        k = math.log2(block_v) + -(-V // block_v) + 8
+        bound = 4 * k * U32 * (1 + ref.lse.abs() + 2 * z.abs().amax(1))
+        if softcap:  # the kernels' tanh (exp2-based, a few roundings) moves each logit by ~4 u softcap / T
+            bound = (
+                bound + 2 * (ref.lse.abs() + ref.entropy + z.abs().amax(1)) * 4 * U32 * softcap / temperature
+            )
+        for name in ("lse", "logprobs", "entropy"):
+            err = (getattr(got, name).double() - getattr(ref, name)).abs()
+            assert bool((err <= bound).all()), (name, float((err - bound).max()))
+        assert torch.equal(got.argmax, ref.argmax)
+        assert float(got.accuracy) == float(ref.accuracy)
+    assert rel_l2(gx.float(), rx.float()) <= 5e-3
