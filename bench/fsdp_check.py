@@ -254,8 +254,10 @@ def _shard_grad_errors(model, grads0: dict, rank: int, world: int, group) -> dic
         diff = local.detach().cpu().double() - ref
         names.append(n)
         sums.append(torch.stack([diff.square().sum(), ref.square().sum()]))
-    total = torch.stack(sums)
+    # (on the gradients' device: NCCL has no CPU tensors)
+    total = torch.stack(sums).to(local.device)
     dist.all_reduce(total, group=group)
+    total = total.cpu()
     return {n: float(num.sqrt() / den.sqrt()) if den > 0 else float(num.sqrt()) for n, (num, den) in
             zip(names, total, strict=True)}  # fmt: skip
 
