@@ -11,13 +11,16 @@ single-device kernels, the O(N) combine of the statistics, and the collectives o
 transfer time, and the wait for the slowest rank. ``bench.dist`` (torchrun, several GPUs)
 measures those.
 
-In the group of one the block is the whole vocabulary: the emulated rank's targets are moved
-into block ids (t - start where in the block), and every other target to id 0, the stand-in
-that rank r's block problem itself gives a row whose target lives on another rank
-(cce/distributed/vocab_parallel.py): the kernels' work per row is the same, only the row's
-target coefficient differs (0 on rank r). The emulation's loss is therefore not the model's
-loss (not reported). K = 1 (the full vocabulary in a group of one) is measured as well: its
-gradients are compared with the single-GPU call's.
+Each block runs the rank's own op (cce/ops/linear_ce/local.py, ``triton_block_stats``: the
+single-device forward op and its backward on the block, targets in block ids, the stand-in id 0
+for rows whose target lives on another block) under the upstream gradients a real rank receives
+from the mean loss: d loss / d lse_r = exp(lse_r - lse) / n, with lse combined from this block's
+lse and the other blocks' (computed beforehand, untimed), and d loss / d tgt_r = -1 / n only
+where the target lies in the block. (A first version ran the whole vocabulary-parallel call on
+the block with every target moved into it: the rows of other blocks' targets then had a target
+term a real rank does not have, and its time understated a rank's; docs/benchmarks.md, issue
+17.) K = 1 (the full vocabulary in a group of one, through the vocabulary-parallel call) is
+measured as well: its gradients are compared with the single-GPU call's.
 
 Per (shape, data regime): median ms of fwd+bwd (loss + torch.autograd.grad w.r.t. e and the
 block; triton.testing.do_bench), peak MB allocated above the inputs during that call, and the
@@ -71,11 +74,48 @@ def shares(V: int, k: int) -> list[tuple[int, int]]:
     return [(sum(sizes[:r]), sizes[r]) for r in range(k)]
 
 
-def block_targets(t: torch.Tensor, start: int, size: int, ignore_index: int) -> torch.Tensor:
-    """Block ids of the targets in [start, start + size), 0 (the stand-in of another rank's
-    target) for the others, ignore_index kept."""
-    inb = (t >= start) & (t < start + size)
-    return torch.where(t == ignore_index, t, torch.where(inb, t - start, 0))
+def rank_step(e, cb, t, start: int, size: int, lse_rest: torch.Tensor, ignore_index: int):
+    """One rank's fwd+bwd on its block ``cb`` (rows [start, start + size) of the head) of the mean
+    loss over the whole vocabulary, ``lse_rest`` the other blocks' combined lse (no gradient)."""
+    from cce.ops.linear_ce.local import triton_block_stats
+
+    opts = cce.CCEOptions()
+    eps, tuning = opts.resolved_filter_eps(e.dtype), opts.resolved_tuning
+    valid = t != ignore_index
+    inblk = valid & (t >= start) & (t < start + size)
+    local_t = torch.where(valid, torch.where(inblk, t - start, 0), -1)
+    n = valid.sum().clamp(min=1)
+
+    def run():
+        lse_r, tgt_r, _ = triton_block_stats(
+            e, cb, None, None, None, local_t, 0.0, False, eps, True, True, False, tuning
+        )  # fmt: skip
+        lse = torch.logaddexp(lse_r, lse_rest)
+        loss = torch.where(valid, lse - torch.where(inblk, tgt_r, 0.0), 0.0).sum() / n
+        return torch.autograd.grad(loss, (e, cb))
+
+    return run
+
+
+def rest_lse(e, c, t, start: int, size: int, ignore_index: int) -> torch.Tensor:
+    """logsumexp over the classes outside [start, start + size) per row (fp32; -inf if none)."""
+    from cce.ops.linear_ce.local import triton_block_stats
+
+    opts = cce.CCEOptions()
+    valid = t != ignore_index
+    parts = []
+    with torch.no_grad():
+        for lo, hi in ((0, start), (start + size, c.shape[0])):
+            if hi > lo:
+                tl = torch.where(valid, 0, -1)  # any in-block id: the target logit is not used
+                lse, _, _ = triton_block_stats(
+                    e, c[lo:hi], None, None, None, tl, 0.0, False, 0.0, False, False, False,
+                    opts.resolved_tuning,
+                )  # fmt: skip
+                parts.append(lse)
+    if not parts:
+        return torch.full(t.shape, float("-inf"), device=e.device)
+    return torch.logsumexp(torch.stack(parts), 0)
 
 
 def _step(fn, e, c, t):
@@ -122,8 +162,8 @@ def case(name: str, N: int, D: int, V: int, regime: str, k: int, group, device, 
     blocks = []
     for r, (start, size) in enumerate(shares(V, k)):
         cb = c[start : start + size].clone().requires_grad_()
-        tb = block_targets(t, start, size, data.IGNORE_INDEX)
-        step = _step(vp, e, cb, tb)
+        lse_rest = rest_lse(e.detach(), c, t, start, size, data.IGNORE_INDEX)
+        step = rank_step(e, cb, t, start, size, lse_rest, data.IGNORE_INDEX)
         step()
         ms = time_ms(step, None, device, cfg)
         peak = peak_mb(step, None, device)
