@@ -134,7 +134,7 @@ class _LocalStats(torch.autograd.Function):
             # This block's share of dE; the full dE is the sum over ranks, reduced in the
             # accumulation dtype and rounded to e's dtype once. (Every rank needs dE here: the
             # set-up check compared e.requires_grad across ranks.)
-            all_reduce_(dE, ctx.group)
+            dE = all_reduce_(dE, ctx.group)  # (out of place while compiling)
         # Cast one gradient at a time, dropping each fp32 buffer before the next cast, so the
         # peak holds one fp32 / low-precision pair, not all of them.
         dE = dE.to(e2d.dtype) if need_de else None

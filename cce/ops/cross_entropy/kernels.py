@@ -69,12 +69,15 @@ def _fwd_block(
         av = tl.maximum(av, mx)
     L2 = L * LOG2E
     m_new = tl.maximum(m, tl.max(L2, 0))
-    d = L2 - m_new
+    # A block of -inf logits (masked classes) with nothing finite before it leaves m_new = -inf:
+    # the exponents are then taken against 0 (-inf - -inf would be NaN; s stays 0 either way).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    d = L2 - m_ref
     pe = tl.exp2(d)
-    scale = tl.exp2(m - m_new)
+    scale = tl.exp2(m - m_ref)
     if ENTROPY:
         # (s = 0 before the first live block; 0 * -inf at masked classes)
-        hs = tl.where(s > 0, scale * (hs + (m - m_new) * s), 0.0)
+        hs = tl.where(s > 0, scale * (hs + (m - m_ref) * s), 0.0)
         hs += tl.sum(tl.where(pe > 0, pe * d, 0.0), 0)
     s = s * scale + tl.sum(pe, 0)
     if HAS_SMOOTHING:
@@ -169,7 +172,8 @@ def _ce_fwd_kernel(
     lse = tl.where(active, lse, 0.0)
     ssum = tl.where(active, ssum, 0.0)
     if ENTROPY:
-        ent = tl.where(active, (tl.log2(s) - hs / s) * LN2, 0.0)
+        # (a split whose classes are all masked has s = 0 and no mass: 0, weighted by 0 below)
+        ent = tl.where(active & (s > 0), (tl.log2(s) - hs / s) * LN2, 0.0)
     if SPLIT:
         tl.store(LSE + row * n_splits + split, lse)
         if HAS_SMOOTHING:
@@ -208,7 +212,8 @@ def _bwd_block(
         L = L * inv_temp
     p = tl.exp2(L * LOG2E - lse2)
     if HAS_ETA:
-        d = p * (alpha + eta * L) - tl.where(cols == t, beta, 0.0)
+        # (masked classes: p = 0 at L = -inf, whose product with eta would be NaN)
+        d = p * (alpha + eta * tl.where(p > 0, L, 0.0)) - tl.where(cols == t, beta, 0.0)
     else:
         d = alpha * p - tl.where(cols == t, beta, 0.0)
     if HAS_SMOOTHING:
@@ -442,7 +447,8 @@ def ce_forward(
             # H = sum_s w_s (H_s + lse - lse_s), w_s = e^(lse_s - lse): the splits' own entropies
             # (each relative to its own max) and their share of the mass, no cancellation.
             dl = plse - lse[:, None]
-            torch.sum(torch.exp(dl) * (pent - dl), dim=1, out=ent)
+            term = torch.where(plse > float("-inf"), torch.exp(dl) * (pent - dl), 0.0)
+            torch.sum(term, dim=1, out=ent)
         if argmax:
             top = pamv.amax(1, keepdim=True)
             amx.copy_(torch.where(pamv == top, pamx, torch.iinfo(torch.int32).max).amin(1))
