@@ -287,27 +287,28 @@ def test_triton_logits_level_against_oracle(problem, inplace, splits):
     terms (not fp64 rounded once), so the bounds take (V + 8) u in place of 8 u, as in the linear
     level's Triton test, and the gradient's rounding to fp32 one u more."""
     pytest.importorskip("triton")
+    with pytest.MonkeyPatch.context() as mp:
+        _small_blocks(mp, splits)
+        _check_logits_level(problem, inplace, "triton")
+
+
+def _small_blocks(mp, splits: int) -> None:
+    """The logits-level kernels on 16-class blocks (several per row) in ``splits`` programs per
+    row (the interpreter's defaults: one 256-class block, splits chosen by the row count)."""
     import cce.ops.cross_entropy.kernels as K
 
-    real, forced = K.split_plan, splits
-    with pytest.MonkeyPatch.context() as mp:
-        # 16-class blocks (several per row) and, with splits, two programs per row
-        mp.setattr(K, "default_config", lambda dtype, backward: (16, 4, 1))
-        mp.setattr(K, "split_plan", lambda N, V, block_v, device, splits=None, min_splits=1: real(
-            N, V, block_v, device, splits=forced, min_splits=min_splits))  # fmt: skip
-        _check_logits_level(problem, inplace, "triton")
+    real = K.split_plan
+    mp.setattr(K, "default_config", lambda dtype, backward: (16, 4, 1))
+    mp.setattr(
+        K, "split_plan", lambda N, V, block_v, device, **kw: real(N, V, block_v, device, splits=splits)
+    )
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 def test_triton_logits_argmax_ties_across_blocks(splits, monkeypatch):
     """Tied largest logits in different 16-class blocks and vocabulary splits: the smallest id."""
     pytest.importorskip("triton")
-    import cce.ops.cross_entropy.kernels as K
-
-    real, forced = K.split_plan, splits
-    monkeypatch.setattr(K, "default_config", lambda dtype, backward: (16, 4, 1))
-    monkeypatch.setattr(K, "split_plan", lambda N, V, block_v, device, splits=None, min_splits=1: real(
-        N, V, block_v, device, splits=forced, min_splits=min_splits))  # fmt: skip
+    _small_blocks(monkeypatch, splits)
     gen = torch.Generator().manual_seed(8)
     x = torch.rand(6, 100, generator=gen)
     ties = [[5, 40, 90], [40, 90], [17, 18], [90, 99], [0, 99], [33, 64, 65]]
@@ -323,12 +324,7 @@ def test_triton_logits_masked_blocks(splits, monkeypatch):
     a whole vocabulary split: the same loss, lse, entropy, argmax and gradient as the fp64 oracle
     (a program whose first block holds no finite logit used to give NaN)."""
     pytest.importorskip("triton")
-    import cce.ops.cross_entropy.kernels as K
-
-    real, forced = K.split_plan, splits
-    monkeypatch.setattr(K, "default_config", lambda dtype, backward: (16, 4, 1))
-    monkeypatch.setattr(K, "split_plan", lambda N, V, block_v, device, splits=None, min_splits=1: real(
-        N, V, block_v, device, splits=forced, min_splits=min_splits))  # fmt: skip
+    _small_blocks(monkeypatch, splits)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(3, 48, generator=gen)
     x[0, :20] = float("-inf")
