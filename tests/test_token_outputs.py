@@ -241,13 +241,6 @@ def test_wrong_types_name_the_argument(name):
         cce.linear_cross_entropy(e, c, t, **{name: True if name == "temperature" else 1})
 
 
-def test_vocab_parallel_not_yet():
-    """Vocabulary parallelism refuses a temperature and the per-token outputs (not built yet)."""
-    e, c, t = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
-    with pytest.raises(NotImplementedError, match="vocabulary parallelism"):
-        cce.linear_cross_entropy(e, c, t, return_argmax=True, process_group=object())
-
-
 def test_compiles_fullgraph():
     """torch.compile(fullgraph=True) traces a call with every output (the ops are opaque)."""
     e = torch.randn(5, 8, requires_grad=True)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .._dispatch import is_dtensor, needs_grad
 from .._validation import check_linear_inputs, check_target_range
-from ..options import FLOAT_DTYPES, IMPLS, REDUCTIONS, CCEOptions
+from ..options import FLOAT_DTYPES, IMPLS, REDUCTIONS, TOKEN_OUTPUTS, CCEOptions
 from .collectives import all_gather, group_device
 
 # Fields of the per-rank descriptor that must agree across ranks (in this order after V_local).
@@ -51,6 +51,8 @@ _SAME = (
     "z_loss",
     "ignore_index",
     "return_lse",
+    "temperature",
+    "outputs",
     "has_bias",
     "has_weight",
     "impl",
@@ -122,6 +124,9 @@ def _describe(e, c_local, targets, bias, weight, opts: CCEOptions, check_replica
             z_loss=float(opts.z_loss),
             ignore_index=float(opts.ignore_index),
             return_lse=float(opts.return_lse),
+            temperature=float(opts.temperature),
+            # The per-token outputs asked for, as bits (they change what the ranks gather).
+            outputs=sum(2**i for i, name in enumerate(TOKEN_OUTPUTS) if getattr(opts, name)),
             has_bias=float(bias is not None),
             has_weight=float(weight is not None),
             impl=IMPLS.index(opts.impl),

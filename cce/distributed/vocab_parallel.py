@@ -59,9 +59,10 @@ import torch.distributed as dist
 
 from .. import _math
 from .._dispatch import is_dtensor, needs_grad, select_impl
-from ..ops.linear_ce.local import block_grads, block_stats, triton_block_stats
+from ..ops.linear_ce.local import block_grads, block_stats, logits_at, triton_block_stats
 from ..ops.linear_ce.rows import flatten_rows
 from ..options import CCEOptions, Tuning
+from ..outputs import assemble
 from .collectives import (
     GatherReplicated,
     GatherSummed,
@@ -90,6 +91,9 @@ class _Local:
     smoothing: bool  # whether ssum is needed
     filter_eps: float
     tuning: Tuning
+    temperature: float = 1.0  # the logits are softcap(z) / temperature
+    entropy: bool = False  # the block's entropy (an output)
+    argmax: bool = False  # the block's argmax (an output)
 
 
 def _local_problem_targets(lc: _Local) -> torch.Tensor:
@@ -100,35 +104,51 @@ def _local_problem_targets(lc: _Local) -> torch.Tensor:
 
 
 class _LocalStats(torch.autograd.Function):
-    """impl="torch": (lse, tgt, ssum) of this rank's block; backward takes upstream gradients on
-    them (the chunked loop's fp32 gradients; dE summed over ``group`` in fp32 when given)."""
+    """impl="torch": (lse, tgt, ssum, entropy, argmax) of this rank's block (ssum, entropy and
+    argmax empty where not asked for); backward takes upstream gradients on the first four (the
+    chunked loop's fp32 gradients; dE summed over ``group`` in fp32 when given)."""
 
     @staticmethod
     def forward(ctx, e2d, c, bias, lc: _Local, group):
         t = _local_problem_targets(lc)
-        lse, tgt, ssum = block_stats(e2d, c, bias, lc.weight, lc.rows, t, lc.softcap, lc.smoothing, lc.tuning)
+        lse, tgt, ssum, ent, amax = block_stats(
+            e2d, c, bias, lc.weight, lc.rows, t, lc.softcap, lc.smoothing, lc.tuning, lc.temperature,
+            lc.entropy, lc.argmax,
+        )  # fmt: skip
         tgt = torch.where(lc.local_t >= 0, tgt, 0.0)  # the stand-in target of rows on other ranks
         ctx.lc, ctx.group = lc, group
-        ctx.save_for_backward(e2d, c, bias, lse, tgt)
-        if ssum is None:
-            ssum = lse.new_zeros(0)
-        return lse, tgt, ssum
+        ctx.save_for_backward(e2d, c, bias, lse, ent)
+        empty = lse.new_zeros(0)
+        amax = t.new_zeros(0) if amax is None else amax
+        ctx.mark_non_differentiable(amax)
+        # Unused outputs (the entropy when it is only logged) get None, not zero-filled gradients.
+        ctx.set_materialize_grads(False)
+        return lse, tgt, empty if ssum is None else ssum, empty if ent is None else ent, amax
 
     @staticmethod
-    def backward(ctx, g_lse, g_tgt, g_ssum):
-        e2d, c, bias, lse, tgt = ctx.saved_tensors
+    def backward(ctx, g_lse, g_tgt, g_ssum, g_ent, _g_amax):
+        e2d, c, bias, lse, ent = ctx.saved_tensors
         lc: _Local = ctx.lc
         need_de, need_dc, need_db = ctx.needs_input_grad[:3]
         need_db = need_db and bias is not None
         if not (need_de or need_dc or need_db):
             return None, None, None, None, None
         zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-        alpha = torch.where(lc.valid, g_lse.to(lse.dtype), zero)
-        beta = torch.where(lc.valid & (lc.local_t >= 0), -g_tgt.to(lse.dtype), zero)
-        gamma = torch.where(lc.valid, -g_ssum.to(lse.dtype), zero) if lc.smoothing else None
+
+        def up(g, where):  # an upstream gradient on valid rows, 0 elsewhere or when absent
+            return torch.zeros_like(lse) if g is None else torch.where(where, g.to(lse.dtype), zero)
+
+        alpha = up(g_lse, lc.valid)
+        beta = -up(g_tgt, lc.valid & (lc.local_t >= 0))
+        gamma = -up(g_ssum, lc.valid) if lc.smoothing else None
+        eta = None
+        if g_ent is not None:  # d H / d L_v = -p_v (L_v - lse + H) (cce/_math.output_coefficients)
+            d = up(g_ent, lc.valid)
+            alpha = alpha + d * (lse - ent)
+            eta = -d
         dE, dC, db = block_grads(
             e2d, c, bias, lc.weight, lc.rows, _local_problem_targets(lc), lse, alpha, beta, gamma,
-            lc.softcap, lc.filter_eps, need_de, need_dc, need_db, lc.tuning,
+            lc.softcap, lc.filter_eps, need_de, need_dc, need_db, lc.tuning, lc.temperature, eta,
         )  # fmt: skip
         if need_de and ctx.group is not None:
             # This block's share of dE; the full dE is the sum over ranks, reduced in the
@@ -148,14 +168,50 @@ class _LocalStats(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Rows:
+    """Per-token results over the whole vocabulary for the problem's rows (fp32 [N] unless
+    noted; lse, tgt and entropy 0 at ignored rows)."""
+
+    loss: torch.Tensor  # the token losses (_math.token_loss)
+    lse: torch.Tensor
+    tgt: torch.Tensor  # the target logit
+    valid: torch.Tensor  # [N] bool
+    w_t: torch.Tensor  # the target's class weight
+    entropy: torch.Tensor | None
+    argmax: torch.Tensor | None  # [N] int64 global ids
+
+    def select(self, rows: slice) -> _Rows:
+        def pick(x):
+            return None if x is None else x[rows]
+
+        return _Rows(*(pick(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
 def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, impl, group, tokens_sharded):
-    """Per-token (loss, lse, valid, w_t) over the whole vocabulary for the rows e2d[rows] and
-    the global targets tgt, from this rank's block and one all-gather of statistics."""
+    """Per-token results (:class:`_Rows`) over the whole vocabulary for the rows e2d[rows] and
+    the global targets tgt, from this rank's block and one all-gather of statistics.
+
+    With the per-token outputs each block also gives its entropy H_r (of its own softmax, whose
+    lse is lse_r) and its argmax. They combine as (O(N) more in the same all-gather)
+
+        H = sum_r w_r (H_r + lse - lse_r),   w_r = exp(lse_r - lse)   (w_r: block r's mass)
+
+    (since -sum_v p_v log p_v over block r = w_r (H_r - log w_r)) and the argmax is the
+    block argmax of the first rank whose maximum logit (local.logits_at) is the largest: blocks
+    are contiguous in rank order, so ties go to the smallest id as in torch.argmax. The gathered
+    ids are fp32, exact below 2^24 classes (checked). Autograd takes H's gradient to lse_r and
+    H_r; the rank's op turns the latter into the entropy's term of its logit gradient.
+    """
     valid = tgt != opts.ignore_index
     start, V_local = lay.start, c.shape[0]
     inblk = valid & (tgt >= start) & (tgt < start + V_local)
     local_t = torch.where(inblk, tgt - start, torch.full_like(tgt, -1))
     smoothing = opts.label_smoothing > 0
+    want_ent = opts.return_entropy
+    want_amax = opts.return_argmax or opts.return_accuracy
+    if want_amax and lay.V > 2**24:
+        raise ValueError(f"the argmax under vocabulary parallelism supports up to 2^24 classes, got {lay.V}")
     lc = _Local(
         weight=weight,
         rows=rows,
@@ -165,24 +221,35 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
         smoothing=smoothing,
         filter_eps=opts.resolved_filter_eps(e2d.dtype),
         tuning=opts.resolved_tuning,
+        temperature=float(opts.temperature),
+        entropy=want_ent,
+        argmax=want_amax,
     )
     # Replicated tokens: dE is summed over the ranks (triton: SumGrad, in e's dtype; torch: the
     # local op, in fp32). Sharded tokens: the all-gather of the tokens reduce-scatters it.
     if impl == "triton":
         e_in = e2d if tokens_sharded or not needs_grad(e2d) else SumGrad.apply(e2d, group)
         t = _local_problem_targets(lc)
-        lse_r, tgt_r, ssum_r = triton_block_stats(
+        lse_r, tgt_r, ssum_r, ent_r, amax_r = triton_block_stats(
             e_in, c, bias, weight, rows, t, lc.softcap, smoothing, lc.filter_eps, needs_grad(e2d),
-            needs_grad(c), needs_grad(bias), lc.tuning,
+            needs_grad(c), needs_grad(bias), lc.tuning, lc.temperature, want_ent, want_amax,
         )  # fmt: skip
         tgt_r = torch.where(inblk, tgt_r, 0.0)  # the stand-in target of rows on other ranks
     else:
-        lse_r, tgt_r, ssum_r = _LocalStats.apply(e2d, c, bias, lc, None if tokens_sharded else group)
+        lse_r, tgt_r, ssum_r, ent_r, amax_r = _LocalStats.apply(
+            e2d, c, bias, lc, None if tokens_sharded else group
+        )
 
-    # One all-gather of everything the loss needs: lse, tgt[, ssum][, w_t, W] per rank.
+    # One all-gather of everything the loss needs: lse, tgt[, ssum][, H][, max, argmax][, w_t, W].
     parts = [lse_r, tgt_r]
     if smoothing:
         parts.append(ssum_r)
+    if want_ent:
+        parts.append(ent_r.float())
+    if want_amax:
+        top = logits_at(e2d.detach(), rows, c.detach(), None if bias is None else bias.detach(),
+                        amax_r, lc.softcap, lc.temperature)  # fmt: skip
+        parts += [top, (amax_r + start).float()]
     if weight is not None:
         wl = weight.to(lse_r.dtype)
         w_t_r = torch.where(inblk, wl[local_t.clamp(min=0)], 0.0)  # w_t where t is in my block
@@ -190,30 +257,43 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     gather = GatherSummed if tokens_sharded else GatherReplicated
     G = gather.apply(torch.cat(parts), group).float()  # [world, K]
     N = tgt.numel()
-    lse = torch.logsumexp(G[:, :N], dim=0)
-    tgt_g = G[:, N : 2 * N].sum(0)
-    off = 2 * N
-    ssum = None
-    if smoothing:
-        ssum = G[:, off : off + N].sum(0)
-        off += N
+
+    def take(k: int) -> torch.Tensor:
+        nonlocal off
+        out = G[:, off : off + k]
+        off += k
+        return out
+
+    off = 0
+    lse_all = take(N)
+    lse = torch.logsumexp(lse_all, dim=0)
+    tgt_g = take(N).sum(0)
+    ssum = take(N).sum(0) if smoothing else None
+    entropy = argmax = None
+    if want_ent:
+        w = torch.exp(lse_all - lse)
+        entropy = torch.where(valid, (w * (take(N) + lse - lse_all)).sum(0), 0.0)
+    if want_amax:
+        top_all, ids = take(N), take(N)
+        argmax = ids.gather(0, top_all.argmax(0, keepdim=True)).squeeze(0).long()
     if weight is not None:
-        w_t = G[:, off : off + N].sum(0).detach()
-        W = G[:, off + N].sum().detach()
+        w_t = take(N).sum(0).detach()
+        W = take(1).sum().detach()
     else:
         w_t = valid.float()
         W = float(lay.V)
     k = _math.LossConsts(float(opts.label_smoothing), float(opts.z_loss), lay.V)
-    return _math.token_loss(lse, tgt_g, ssum, w_t, W, valid, k), lse, valid, w_t
+    loss = _math.token_loss(lse, tgt_g, ssum, w_t, W, valid, k)
+    return _Rows(
+        loss, torch.where(valid, lse, 0.0), torch.where(valid, tgt_g, 0.0), valid, w_t, entropy, argmax
+    )
 
 
-def _finish(loss_tok, lse, valid, w_t, opts: CCEOptions, out_shape):
-    loss = _math.reduce_loss(loss_tok, w_t, opts.reduction)
+def _finish(r: _Rows, tgt: torch.Tensor, opts: CCEOptions, out_shape):
+    loss = _math.reduce_loss(r.loss, r.w_t, opts.reduction)
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
-    if opts.return_lse:
-        return loss, torch.where(valid, lse, 0.0).reshape(out_shape)
-    return loss
+    return assemble(opts, loss, r.lse, r.tgt, r.entropy, r.argmax, tgt, lambda x: x.reshape(out_shape))
 
 
 def _group_of(c, bias, weight, process_group):
@@ -250,7 +330,7 @@ def vocab_parallel_with_options(
     impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     out = _stats_loss(e2d, rows, tgt, c, bias, weight, opts, lay, impl, group, tokens_sharded=False)
-    return _finish(*out, opts, out_shape)
+    return _finish(out, tgt, opts, out_shape)
 
 
 def vocab_parallel_sharded_tokens(
@@ -289,9 +369,9 @@ def vocab_parallel_sharded_tokens(
     if grad_divide != 1.0:
         c = ScaleGrad.apply(c, 1.0 / grad_divide)
         bias = None if bias is None else ScaleGrad.apply(bias, 1.0 / grad_divide)
-    loss_tok, lse, valid, w_t = _stats_loss(E, None, T, c, bias, weight, opts, lay, impl, group, True)
+    out = _stats_loss(E, None, T, c, bias, weight, opts, lay, impl, group, True)
     mine = slice(lay.rank * n_max, lay.rank * n_max + n)
-    return _finish(loss_tok[mine], lse[mine], valid[mine], w_t[mine], opts, out_shape)
+    return _finish(out.select(mine), T[mine], opts, out_shape)
 
 
 def linear_cross_entropy_vocab_parallel(
@@ -311,6 +391,11 @@ def linear_cross_entropy_vocab_parallel(
     filter_eps: float | str | None = "auto",
     impl: str = "auto",
     return_lse: bool = False,
+    temperature: float = 1.0,
+    return_logprobs: bool = False,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+    return_accuracy: bool = False,
     check_replicated: bool = True,
     check: str = "once",
 ):
@@ -333,7 +418,9 @@ def linear_cross_entropy_vocab_parallel(
             no host synchronisation (CUDA-graph capture, torch.compile). ``"always"``: at every
             call, as do ``CCE_DEBUG=1`` and anomaly detection (set alike on every rank). A group
             of one rank has nothing to compare and runs the local checks only.
-        Other options: as :func:`cce.linear_cross_entropy`.
+        Other options: as :func:`cce.linear_cross_entropy`, the temperature and the per-token
+            outputs included (the entropy and the argmax combine across ranks in the same O(N)
+            all-gather as the loss's statistics).
 
     Returns:
         What :func:`cce.linear_cross_entropy` returns for the whole classifier, identical on
@@ -351,6 +438,11 @@ def linear_cross_entropy_vocab_parallel(
         filter_eps=filter_eps,
         impl=impl,
         return_lse=return_lse,
+        temperature=temperature,
+        return_logprobs=return_logprobs,
+        return_entropy=return_entropy,
+        return_argmax=return_argmax,
+        return_accuracy=return_accuracy,
     )
     return vocab_parallel_with_options(
         e, c_local, targets, bias, weight, opts, process_group, check_replicated=check_replicated, check=check

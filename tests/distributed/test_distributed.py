@@ -17,7 +17,6 @@ import os
 import socket
 import sys
 import traceback
-import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,8 +26,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # output_cases, vp_common
 
 from helpers import filter_error_bounds, loss_and_grads, make_linear_inputs, rel_err, tuned  # noqa: E402
+from output_cases import (  # noqa: E402
+    OUTPUT_CASES,
+    SHARDED_OUTPUT_CASES,
+    TRITON_OUTPUT_CASES,
+    WORLD1_OUTPUT_CASES,
+    run_output_case,
+)
+from vp_common import TOL_FP32, D, V, case_seed, leaf, split_sizes  # noqa: E402
 
 import cce  # noqa: E402
 import cce.distributed  # noqa: E402
@@ -38,16 +46,10 @@ from cce.distributed import (  # noqa: E402
 )
 from cce.reference import linear_cross_entropy_reference  # noqa: E402
 
-# fp32 on both sides, only the summation order differs (logsumexp over blocks then ranks, dE summed
-# over ranks): errors are a few fp32 ulps of the row sums, ~1e-7 relative; 2e-5 leaves room for the
-# small, cancellation-prone gradients (label smoothing, z-loss) without hiding a wrong term (those
-# are O(1e-2) or larger).
-TOL_FP32 = 2e-5
 # bf16 inputs: both sides accumulate in fp32 and round the gradients to bf16 once; the rounding
 # (2^-8 relative per entry) can land differently when the fp32 values differ in the last bits.
 TOL_BF16 = 1e-2
 
-D, V = 40, 263  # V: not a multiple of the 3-way split, more than one 128-row filter block
 
 EQ_CASES: dict[str, dict] = {
     "mean": dict(),
@@ -180,21 +182,8 @@ except ImportError:
     transformers = None
 
 
-def _split(world: int, how: str) -> list[int]:
-    if how == "skewed":  # rank 0 small, the last rank large
-        sizes = [1 + 7 * r * r for r in range(world)]
-        sizes[-1] += V - sum(sizes)
-        return sizes
-    base = [V // world + (1 if r < V % world else 0) for r in range(world)]
-    return base
-
-
-def _seed(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
 def _inputs(name: str, spec: dict):
-    g = torch.Generator().manual_seed(_seed(name))
+    g = torch.Generator().manual_seed(case_seed(name))
     e, c, t, b = make_linear_inputs(
         (3, 11),
         D,
@@ -207,15 +196,6 @@ def _inputs(name: str, spec: dict):
     )
     w = (torch.rand(V, generator=g) + 0.25) if spec.get("weight") else None
     return e, c, t, b, w
-
-
-def _leaf(x, rows=None):
-    if x is None:
-        return None
-    x = x.detach()
-    if rows is not None:
-        x = x[rows]
-    return x.clone().requires_grad_()
 
 
 def _compare(name, got, ref, tol, block):
@@ -238,7 +218,7 @@ def _eq_case(name, spec, rank, world, group):
     e, c, t, b, w = _inputs(name, spec)
     opts = dict(spec.get("opts", {}))
     impl = opts.pop("impl", "torch")
-    sizes = _split(world, spec.get("split", "even"))
+    sizes = split_sizes(world, spec.get("split", "even"))
     start = sum(sizes[:rank])
     block = slice(start, start + sizes[rank])
     # A small chunk budget (one device and every block share impl="torch"'s loop) makes
@@ -246,20 +226,20 @@ def _eq_case(name, spec, rank, world, group):
     fn = tuned(chunk_bytes=spec.get("chunk_bytes"), **spec.get("tuning", {}))
     ref = loss_and_grads(
         lambda *a, **k: fn(*a, weight=w, impl=impl, **k),
-        _leaf(e),
-        _leaf(c),
+        leaf(e),
+        leaf(c),
         t,
-        _leaf(b),
+        leaf(b),
         generator=torch.Generator().manual_seed(7),
         **opts,
     )
     wl = None if w is None else w[block]
     got = loss_and_grads(
         lambda *a, **k: fn(*a, weight=wl, process_group=group, impl=impl, **k),
-        _leaf(e),
-        _leaf(c, block),
+        leaf(e),
+        leaf(c, block),
         t,
-        _leaf(b, block),
+        leaf(b, block),
         generator=torch.Generator().manual_seed(7),
         **opts,
     )
@@ -271,7 +251,7 @@ def _filter_case(name, spec, rank, world, group):
     e, c, t, b, w = _inputs(name, spec)
     opts = spec["opts"]
     vp = tuned(**spec.get("tuning", {}))
-    sizes = _split(world, "even")
+    sizes = split_sizes(world, "even")
     start = sum(sizes[:rank])
     block = slice(start, start + sizes[rank])
 
@@ -280,15 +260,15 @@ def _filter_case(name, spec, rank, world, group):
 
     exact = run(
         lambda *a, **k: linear_cross_entropy_reference(*a, dtype=torch.float64, **k),
-        _leaf(e),
-        _leaf(c),
+        leaf(e),
+        leaf(c),
         t,
         None,
     )
     par = run(
         lambda *a, **k: vp(*a, process_group=group, impl=spec.get("impl", "auto"), **k),
-        _leaf(e),
-        _leaf(c, block),
+        leaf(e),
+        leaf(c, block),
         t,
         None,
     )
@@ -313,15 +293,15 @@ def _sharded_tokens_case(name, spec, rank, world, group):
     # Every rank's tokens: the first 3 + r sequences (different counts per rank); c, b, w shared.
     _, c, _, b, w = inputs[0]
     toks = [(inp[0][: 1 + r % 3], inp[2][: 1 + r % 3]) for r, inp in enumerate(inputs)]
-    sizes = _split(world, "skewed")
+    sizes = split_sizes(world, "skewed")
     block = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     refs = [
         loss_and_grads(
             lambda *a, **k: cce.linear_cross_entropy(*a, weight=w, impl=impl, **k),
-            _leaf(er),
-            _leaf(c),
+            leaf(er),
+            leaf(c),
             tr,
-            _leaf(b),
+            leaf(b),
             generator=torch.Generator().manual_seed(7 + r),
             **opts,
         )  # fmt: skip
@@ -334,7 +314,7 @@ def _sharded_tokens_case(name, spec, rank, world, group):
         o = CCEOptions(impl=impl, tuning=Tuning(**spec.get("tuning", {})), **k)
         return vocab_parallel_sharded_tokens(e_, c_, t_, b_, wl, o, group)
 
-    got = loss_and_grads(fn, _leaf(e), _leaf(c, block), t, _leaf(b, block),
+    got = loss_and_grads(fn, leaf(e), leaf(c, block), t, leaf(b, block),
                          generator=torch.Generator().manual_seed(7 + rank), **opts)  # fmt: skip
     # This rank's loss and dE are its own tokens'; dC / dbias of the block sum every rank's.
     ref_loss, ref_lse, ref_grads = refs[rank]
@@ -352,10 +332,10 @@ def _dtensor_case(name, rank, world, group):
     e, c, t, b, _ = _inputs(name, dict(bias=with_bias))
     ref = loss_and_grads(
         lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", **k),
-        _leaf(e),
-        _leaf(c),
+        leaf(e),
+        leaf(c),
         t,
-        _leaf(b),
+        leaf(b),
         generator=torch.Generator().manual_seed(5),
         **opts,
     )
@@ -363,7 +343,7 @@ def _dtensor_case(name, rank, world, group):
     b_dt = None if b is None else distribute_tensor(b.detach(), mesh, [Shard(0)]).requires_grad_()
     loss, lse, grads = loss_and_grads(
         lambda *a, **k: linear_cross_entropy_vocab_parallel(*a, **k),
-        _leaf(e),
+        leaf(e),
         c_dt,
         t,
         b_dt,
@@ -388,7 +368,7 @@ def _expect(fn, types, text):
 
 def _error_case(name, rank, world, group):
     e, c, t, b, _ = _inputs(name, dict())
-    sizes = _split(world, "even")
+    sizes = split_sizes(world, "even")
     start = sum(sizes[:rank])
     cl = c.detach()[start : start + sizes[rank]]
     ed = e.detach()
@@ -454,9 +434,9 @@ def _error_case(name, rank, world, group):
 
 def _cache_case(name, rank, world, group):
     # (2, 5 + world) tokens: a set-up no other case uses (the cache is per process and group).
-    g = torch.Generator().manual_seed(_seed(name))
+    g = torch.Generator().manual_seed(case_seed(name))
     e, c, t, _ = make_linear_inputs((2, 5 + world), D, V, torch.float32, ignore_frac=0.1, generator=g)
-    sizes = _split(world, "even")
+    sizes = split_sizes(world, "even")
     cl = c[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
     last = rank == world - 1
     e_bad = e + 1e-3 if last else e
@@ -513,14 +493,14 @@ def _world1_case(name, rank, world, group):
         return fn(e_, c_, t_, b_, weight=w, process_group=group, **opts, **k)
 
     if name == "w1_sparse_equal":
-        ref = loss_and_grads(lambda *a, **k: fn(*a, weight=w, **opts, **k), _leaf(e), _leaf(c), t, None,
+        ref = loss_and_grads(lambda *a, **k: fn(*a, weight=w, **opts, **k), leaf(e), leaf(c), t, None,
                              generator=torch.Generator().manual_seed(3), reduction="none")  # fmt: skip
         got = loss_and_grads(
-            vp, _leaf(e), _leaf(c), t, None, generator=torch.Generator().manual_seed(3), reduction="none"
+            vp, leaf(e), leaf(c), t, None, generator=torch.Generator().manual_seed(3), reduction="none"
         )
         _compare(name, got, ref, TOL_FP32, slice(None))
     elif name == "w1_compile_fullgraph":
-        el, cl = _leaf(e), _leaf(c)
+        el, cl = leaf(e), leaf(c)
         eager = vp(el, cl, t)
         ge, gc = torch.autograd.grad(eager, (el, cl))
         comp = torch.compile(vp, fullgraph=True, backend="aot_eager")(el, cl, t)
@@ -555,13 +535,13 @@ def _fsdp_case(name, rank, world, group):
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(_seed(name))
+    torch.manual_seed(case_seed(name))
     vp = name == "fsdp_head_vocab_parallel"
     model = _Model(head_bias=vp)
     ref_model = copy.deepcopy(model)
     data = []
     for r in range(world):
-        g = torch.Generator().manual_seed(_seed(name) + r)
+        g = torch.Generator().manual_seed(case_seed(name) + r)
         T = 9 + 2 * r if vp else 9  # vocab_parallel: ranks with different token counts
         x = torch.randn(2, T, D, generator=g)
         t = torch.randint(0, V, (2, T), generator=g)
@@ -617,7 +597,7 @@ def _api_case(name, rank, world, group):
     opts = dict(label_smoothing=0.1, shift=True)
     ref = loss_and_grads(
         lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", **k),
-        _leaf(e), _leaf(c), t, _leaf(b), generator=torch.Generator().manual_seed(9), **opts,
+        leaf(e), leaf(c), t, leaf(b), generator=torch.Generator().manual_seed(9), **opts,
     )  # fmt: skip
     if name == "api_dtensor":
         from torch.distributed.device_mesh import init_device_mesh
@@ -630,9 +610,9 @@ def _api_case(name, rank, world, group):
         block = slice(min(rank * per, V), min((rank + 1) * per, V))
         fn = lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", **k)  # noqa: E731
     else:
-        sizes = _split(world, "skewed")
+        sizes = split_sizes(world, "skewed")
         block = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
-        c_in, b_in = _leaf(c, block), _leaf(b, block)
+        c_in, b_in = leaf(c, block), leaf(b, block)
         if name == "api_module":
             mod = cce.LinearCrossEntropy(impl="torch", process_group=group, **opts)
             fn = lambda e_, c_, t_, b_: mod(e_, c_, t_, b_)  # noqa: E731
@@ -640,7 +620,7 @@ def _api_case(name, rank, world, group):
         else:
             fn = lambda *a, **k: cce.linear_cross_entropy(*a, impl="torch", process_group=group, **k)  # noqa: E731
     loss, lse, grads = loss_and_grads(
-        fn, _leaf(e), c_in, t, b_in, generator=torch.Generator().manual_seed(9), **opts
+        fn, leaf(e), c_in, t, b_in, generator=torch.Generator().manual_seed(9), **opts
     )
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
     _compare(name, (loss, lse, grads), ref, TOL_FP32, block)
@@ -663,7 +643,7 @@ def _hf_case(name, rank, world, group):
         num_key_value_heads=2, head_dim=8, max_position_embeddings=32, pad_token_id=0,
     )  # fmt: skip
     cfg._attn_implementation = "eager"
-    torch.manual_seed(_seed(name))
+    torch.manual_seed(case_seed(name))
     ref = transformers.LlamaForCausalLM(cfg).float()
     model = cce_hf.patch(copy.deepcopy(ref), impl="torch")
     if name == "hf_patch_fsdp_layers":
@@ -674,7 +654,7 @@ def _hf_case(name, rank, world, group):
     fully_shard(model, mesh=mesh)
     data = []
     for r in range(world):
-        g = torch.Generator().manual_seed(_seed(name) + r)
+        g = torch.Generator().manual_seed(case_seed(name) + r)
         ids = torch.randint(3, V, (2, 10), generator=g)
         labels = ids.clone()
         labels[0, :3] = -100
@@ -726,6 +706,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str, names: list[str]) ->
                 _api_case(name, rank, world, group)
             elif name in HF_CASES:
                 _hf_case(name, rank, world, group)
+            elif name.startswith("out_"):  # output_cases.py
+                run_output_case(name, rank, world, group, tuned)
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
@@ -753,13 +735,16 @@ ALL_CASES = [
     *CACHE_CASES,
     *(CACHE_COMPILE_CASES if INTERPRETING else ()),
     *FSDP_CASES,
+    *OUTPUT_CASES,
+    *(TRITON_OUTPUT_CASES if INTERPRETING else ()),
+    *SHARDED_OUTPUT_CASES,
 ]
 HF_ACTIVE = HF_CASES if transformers is not None else ()
 
 
 def _run_group(world: int, tmp: Path) -> dict[str, list[str]]:
     if world == 1:
-        names = list(WORLD1_CASES)
+        names = list(WORLD1_CASES) + list(WORLD1_OUTPUT_CASES)
     else:
         names = ALL_CASES + list(API_CASES if API_INTEGRATED else ()) + list(HF_ACTIVE if world == 2 else ())
     mp.spawn(_worker, args=(world, _free_port(), str(tmp), names), nprocs=world, join=True)
@@ -791,7 +776,7 @@ def world1_results(tmp_path_factory):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="impl='triton' on CPU tensors needs the Triton interpreter")
-@pytest.mark.parametrize("case", WORLD1_CASES)
+@pytest.mark.parametrize("case", WORLD1_CASES + WORLD1_OUTPUT_CASES)
 def test_world_size_one(world1_results, case):
     _check(world1_results, case)
 

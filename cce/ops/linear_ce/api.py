@@ -25,11 +25,6 @@ def linear_cross_entropy_with_options(
 ):
     """linear_cross_entropy with its options already in a :class:`CCEOptions`."""
     if process_group is not None or is_dtensor(c):
-        if opts.temperature != 1.0 or opts.token_outputs:
-            raise NotImplementedError(
-                "temperature and the per-token outputs (log-probs, entropy, argmax, accuracy) are not "
-                "yet supported under vocabulary parallelism"
-            )
         from ...distributed.vocab_parallel import vocab_parallel_with_options
 
         return vocab_parallel_with_options(e, c, targets, bias, weight, opts, process_group)

@@ -348,47 +348,49 @@ class ChunkedProblem:
 
 def forward_stats(
     e2d, c, bias, weight, rows, targets, ignore_index: int, softcap: float, smoothing: bool,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int | None = None, temperature: float = 1.0, want_entropy: bool = False,
+    want_argmax: bool = False,
 ):  # fmt: skip
-    """(lse, tgt, ssum or None) per problem row in the accumulation dtype, 0 at ignored rows.
+    """(lse, tgt, ssum or None, entropy or None, argmax or None) per problem row, the first four
+    in the accumulation dtype and 0 at ignored rows, of the logits softcap(e c^T + bias) / T.
 
     The statistics alone, for callers that assemble the loss themselves (cce.distributed).
     ``label_smoothing`` enters ChunkedProblem only as the flag that asks for ssum.
     """
     pb = ChunkedProblem(
-        e2d, c, bias, weight, rows, targets, ignore_index, softcap, float(smoothing), 0.0, 0.0, chunk_bytes
-    )
+        e2d, c, bias, weight, rows, targets, ignore_index, softcap, float(smoothing), 0.0, 0.0, chunk_bytes,
+        temperature, want_entropy, want_argmax,
+    )  # fmt: skip
     lse, tgt, ssum, *_ = pb.run(None, None, False, False, False)
-    return lse, tgt, ssum
+    ent = None if pb.entropy is None else torch.where(pb.valid, pb.entropy, 0.0)
+    return lse, tgt, ssum, ent, pb.argmax
 
 
 def backward_coeffs(
     e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index: int, softcap: float,
     filter_eps: float, need_de: bool, need_dc: bool, need_dbias: bool, chunk_bytes: int | None = None,
+    temperature: float = 1.0, eta: torch.Tensor | None = None,
 ):  # fmt: skip
     """(dE, dC, dbias) in the accumulation dtype (None where not needed) for given per-row
-    coefficients: dZ = (alpha p - beta [v == t] - gamma w) softcap'(z), p = exp(L - lse).
+    coefficients of the gradient with respect to the logits L = softcap(z) / T:
+    dL = alpha p - beta [v == t] - gamma w (+ eta p L with the entropy's term), p = exp(L - lse);
+    dZ = dL softcap'(z) / T.
 
     The impl="torch" twin of triton_backward.coefficient_backward (gamma None: no smoothing).
+    With eta the backward is exact (the entropy's term is outside the filter's bound).
     """
     smoothing = gamma is not None
     pb = ChunkedProblem(
-        e2d,
-        c,
-        bias,
-        weight,
-        rows,
-        targets,
-        ignore_index,
-        softcap,
-        float(smoothing),
-        0.0,
-        filter_eps,
-        chunk_bytes,
-    )
+        e2d, c, bias, weight, rows, targets, ignore_index, softcap, float(smoothing), 0.0,
+        0.0 if eta is not None else filter_eps, chunk_bytes, temperature,
+    )  # fmt: skip
+    inv_t = 1.0 / float(temperature)
 
     def coef(prow, _lse):
-        return alpha[prow], beta[prow], None if gamma is None else gamma[prow]
+        out = (alpha[prow], beta[prow], None if gamma is None else gamma[prow])
+        if eta is not None:
+            out = (*out, eta[prow])
+        return out if inv_t == 1.0 else tuple(None if x is None else x * inv_t for x in out)
 
     _, _, _, dE, dC, db = pb.run(coef, lse.to(pb.acc), need_de, need_dc, need_dbias)
     return dE, dC, db
