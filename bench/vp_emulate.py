@@ -87,7 +87,7 @@ def rank_step(e, cb, t, start: int, size: int, lse_rest: torch.Tensor, ignore_in
     n = valid.sum().clamp(min=1)
 
     def run():
-        lse_r, tgt_r, _ = triton_block_stats(
+        lse_r, tgt_r, *_ = triton_block_stats(
             e, cb, None, None, None, local_t, 0.0, False, eps, True, True, False, tuning
         )  # fmt: skip
         lse = torch.logaddexp(lse_r, lse_rest)
@@ -108,7 +108,7 @@ def rest_lse(e, c, t, start: int, size: int, ignore_index: int) -> torch.Tensor:
         for lo, hi in ((0, start), (start + size, c.shape[0])):
             if hi > lo:
                 tl = torch.where(valid, 0, -1)  # any in-block id: the target logit is not used
-                lse, _, _ = triton_block_stats(
+                lse, *_ = triton_block_stats(
                     e, c[lo:hi], None, None, None, tl, 0.0, False, 0.0, False, False, False,
                     opts.resolved_tuning,
                 )  # fmt: skip
