@@ -90,6 +90,63 @@ def test_outputs_and_gradients_bf16(temperature, softcap, regime):
     assert rel_l2(gc.float(), rc.float()) <= 5e-3
 
 
+@pytest.mark.parametrize(
+    "temperature,softcap,regime,bias,shift",
+    [
+        (1.0, None, "zipf", True, False),  # a bias gradient: the pointer-load dZ kernel (dense_dz)
+        (0.7, None, "random", False, True),  # no bias gradient: TMA dZ kernel + _dz_target_kernel
+        (0.7, 30.0, "zipf", False, False),  # p_t ~ 0.9: the target entries' eta term weighs
+        (1.6, 4.0, "zipf", False, False),  # softcap' ~ 0.03 on most classes, not on the targets
+    ],
+)
+def test_entropy_gradient_alone_bf16(temperature, softcap, regime, bias, shift):
+    """The gradient of (entropy, r) alone (r ~ N(0, 1) / N seeded) and the entropy's values, on
+    impl="triton" against the fp64 oracle from the same bf16 inputs. dZ_v = r p_v (lse - H - z_v)
+    softcap' / T = p_v (alpha + eta z_v) softcap' with alpha = r (lse - H) / T, eta = -r / T
+    (cce/_math.py): the HAS_ETA branches of the dZ kernels and of _dz_target_kernel.
+
+    Tolerance: dZ is rounded to bf16 once, then dE, dC, dbias once each (<= 2^-8 relative per
+    entry, ~1.7e-3 rms). With random-sign r, dZ's roundings do not average down against a dE / dC
+    entry: ~sqrt(2) 1.7e-3 (an fp64 simulation of both roundings at these sizes, CPU inputs:
+    1.1e-3 .. 3.1e-3); the fp32 logits' error (~sqrt(D) u ||e|| ||c|| <= 3e-4) less. Hence the
+    5e-3 target, as above.
+    Sensitivity: without eta, dZ = p alpha softcap' is the gradient of ((r (lse - H)).detach()
+    lse).sum(), asserted > 2 tol from the truth (0.4 .. 27 simulated), so a kernel dropping eta
+    fails. Simulated, the target entry alone: its eta term dropped moves dE or dC by 6.7e-3 ..
+    3.9 (cases 2-4); its softcap' without the temperature, or left out, by >= 0.5 at (1.6, 4.0)
+    (only ~2e-3 at (0.7, 30.0): not seen there)."""
+    N, D, V = 2048, 1024, 32003  # odd V: the last tile's mask
+    e, c, t = make_inputs(N, D, V, regime, dtype=torch.bfloat16, device="cuda", seed=12)
+    t[::9] = -100
+    g = torch.Generator(device="cuda").manual_seed(8)
+    b = torch.randn(V, generator=g, device="cuda").bfloat16() if bias else None
+    r = torch.randn(N - shift, generator=g, device="cuda", dtype=torch.float64) / N
+    kw = dict(temperature=temperature, softcap=softcap, shift=shift, return_entropy=True)
+    xs = [x.detach().requires_grad_() for x in (e, c, b) if x is not None]
+    got = linear_cross_entropy(*xs[:2], t, *xs[2:], impl="triton", **kw)
+    grads = torch.autograd.grad((got.entropy.double() * r).sum(), xs)
+    x64 = [x.double().requires_grad_() for x in (e, c, b) if x is not None]
+    ref = linear_cross_entropy_reference(*x64[:2], t, *x64[2:], dtype=torch.float64, return_lse=True, **kw)
+    want = torch.autograd.grad((ref.entropy * r).sum(), x64, retain_graph=True)
+    no_eta = torch.autograd.grad(((r * (ref.lse - ref.entropy)).detach() * ref.lse).sum(), x64)
+    tol = 5e-3
+    for name, a, w, w0 in zip(("dE", "dC", "dbias")[: len(xs)], grads, want, no_eta, strict=True):
+        assert rel_l2(w0, w) > 2 * tol, (name, rel_l2(w0, w))  # the test sees a missing eta
+        assert rel_l2(a, w) <= tol, (name, rel_l2(a, w))
+
+    with torch.no_grad():  # the entropy's values: the bound of test_outputs_and_gradients_bf16
+        x = e.double() @ c.double().T + (b.double() if bias else 0.0)
+        z = (softcap * torch.tanh(x / softcap) if softcap else x)[: N - shift] / temperature
+        # Per logit: the fp32 D-term dot product, the bias's add (one rounding), the kernels' tanh.
+        ne_nc = float(e.double().norm(dim=1).max() * c.double().norm(dim=1).max())
+        b_max = float(b.abs().max()) if bias else 0.0
+        delta = ((D + 1) * ne_nc + b_max + 4 * (softcap or 0.0)) * U32 / temperature
+        lse, H, zmax = ref.lse.abs(), ref.entropy, z.abs().amax(1)
+        bound = 2 * (lse + H + zmax) * delta + (V + 8) * U32 * 4 * (1 + lse + 2 * zmax)
+        err = (got.entropy.double() - ref.entropy).abs()
+        assert bool((err <= bound).all()), float((err - bound).max())
+
+
 def test_entropy_bonus_step_captures_and_compiles():
     """A training step of loss - 0.01 entropy.mean() at a temperature: no host synchronisation
     (CUDA graph capture and replay on new inputs equal eager), and torch.compile(fullgraph=True)
