@@ -69,6 +69,11 @@ TRITON_OUTPUT_CASES: dict[str, dict] = {
 # A group of one rank (Triton interpreter): a step with every output traces under
 # torch.compile(fullgraph=True) and matches eager (backend aot_eager: no C++ compiler needed).
 WORLD1_OUTPUT_CASES = ("out_w1_compile_fullgraph",)
+# Options drawn at random (seeded alike on every rank), each compared with the float64 oracle
+# (cce.reference): a property test over temperature, softcap, shift, ignored tokens, label
+# smoothing, z-loss, class weights, bias, reduction, the split and the outputs asked for.
+RANDOM_OUTPUT_CASES = ("out_random_configs",)
+RANDOM_CONFIGS = 10
 # Every rank its own tokens (data parallel) with the classifier split by rows.
 SHARDED_OUTPUT_CASES: dict[str, dict] = {
     "out_tokens_sharded": dict(bias=True, opts=dict(**ALL, temperature=0.8, shift=True)),
@@ -170,6 +175,10 @@ def run_output_case(name: str, rank: int, world: int, group, tuned) -> None:
     if name in WORLD1_OUTPUT_CASES:
         _world1_compile(name, group, tuned)
         return
+    if name in RANDOM_OUTPUT_CASES:
+        for k in range(RANDOM_CONFIGS):
+            _random_config(f"{name}-{k}", rank, world, group)
+        return
     spec = {**OUTPUT_CASES, **TRITON_OUTPUT_CASES, **SHARDED_OUTPUT_CASES}[name]
     opts = dict(spec["opts"])
     impl = spec.get("impl", "torch")
@@ -234,3 +243,51 @@ def _world1_compile(name: str, group, tuned) -> None:
     assert torch.equal(comp[1], eager[1]) and torch.equal(comp[2], eager[2])
     for a, b_ in zip(g2, g1, strict=True):
         assert rel_err(a, b_) <= TOL_FP32
+
+
+def _random_config(name: str, rank: int, world: int, group) -> None:
+    """One configuration drawn from ``name``'s seed, the vocabulary-parallel call (impl="torch",
+    exact) against the float64 oracle."""
+    import cce
+    from cce.reference import linear_cross_entropy_reference
+
+    g = torch.Generator().manual_seed(case_seed(name))
+
+    def coin(p=0.5) -> bool:
+        return bool(torch.rand((), generator=g) < p)
+
+    outs = {k: coin() for k in ALL}
+    outs["return_entropy"] = outs["return_entropy"] or not any(outs.values())  # at least one output
+    opts = dict(
+        outs,
+        temperature=float(torch.empty(()).uniform_(0.4, 2.5, generator=g)),
+        softcap=float(torch.empty(()).uniform_(2.0, 12.0, generator=g)) if coin() else None,
+        shift=coin(),
+        reduction=("mean", "sum", "none")[int(torch.randint(3, (), generator=g))],
+        label_smoothing=0.1 if coin(0.3) else 0.0,
+        z_loss=1e-3 if coin(0.3) else 0.0,
+    )
+    spec = dict(
+        bias=coin(), weight=coin(0.3), split="skewed" if coin() else "even", scale=float(1 + 8 * coin())
+    )
+    logged = coin(0.3)
+    e, c, t, b, w = _inputs(name, spec, world)
+    sizes = split_sizes(world, spec["split"])
+    block = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    ref = _outputs_and_grads(
+        lambda *a, **k: linear_cross_entropy_reference(*a, weight=w, dtype=torch.float64, **k),
+        leaf(e), leaf(c), t, leaf(b), logged, 11, **opts,
+    )  # fmt: skip
+    wl = None if w is None else w[block]
+    got = _outputs_and_grads(
+        lambda *a, **k: cce.linear_cross_entropy(*a, weight=wl, process_group=group, impl="torch",
+                                                 filter_eps=None, **k),
+        leaf(e), leaf(c, block), t, leaf(b, block), logged, 11, **opts,
+    )  # fmt: skip
+    clear = _clear_rows(e, c, b).reshape(t.shape)
+    if opts["shift"]:
+        clear = clear[..., :-1]
+    try:
+        _compare(name, got, ref, block, clear)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} (options {opts}, {spec}, logged {logged})") from None

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # output_cases, vp_com
 from helpers import filter_error_bounds, loss_and_grads, make_linear_inputs, rel_err, tuned  # noqa: E402
 from output_cases import (  # noqa: E402
     OUTPUT_CASES,
+    RANDOM_OUTPUT_CASES,
     SHARDED_OUTPUT_CASES,
     TRITON_OUTPUT_CASES,
     WORLD1_OUTPUT_CASES,
@@ -738,6 +739,7 @@ ALL_CASES = [
     *OUTPUT_CASES,
     *(TRITON_OUTPUT_CASES if INTERPRETING else ()),
     *SHARDED_OUTPUT_CASES,
+    *RANDOM_OUTPUT_CASES,
 ]
 HF_ACTIVE = HF_CASES if transformers is not None else ()
 
