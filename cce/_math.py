@@ -189,3 +189,21 @@ def output_coefficients(
         alpha = alpha + d * (lse - entropy.float())
         eta = -d
     return alpha, beta, eta
+
+
+def mean_logit(L: torch.Tensor) -> torch.Tensor:
+    """[rows] E_p[L] = sum_v p_v L_v with p = softmax(L) per row of a chunk of logits, a class of
+    probability 0 adding 0 (0 log 0 = 0 in the entropy lse - E_p[L]: a -inf logit, a masked class,
+    gives 0, not 0 * -inf = NaN). One chunk-sized temporary besides a bool mask."""
+    p = torch.softmax(L, 1)
+    zero = p == 0
+    return p.mul_(L).masked_fill_(zero, 0.0).sum(1)
+
+
+def entropy_dlogits_(
+    L: torch.Tensor, p: torch.Tensor, alpha: torch.Tensor, eta: torch.Tensor
+) -> torch.Tensor:
+    """p (alpha + eta L) per row (alpha, eta: [rows]) written into L, 0 where p = 0 (so a -inf
+    logit gets no gradient, not NaN): the softmax and entropy terms of the logit gradient."""
+    zero = p == 0
+    return L.mul_(eta[:, None]).add_(alpha[:, None]).mul_(p).masked_fill_(zero, 0.0)

@@ -81,7 +81,9 @@ def cross_entropy_reference(
     if return_logprobs:
         out["logprobs"] = torch.where(valid, logp.gather(1, safe[:, None]).squeeze(1), 0.0).reshape(out_shape)
     if return_entropy:
-        ent = torch.special.entr(logp.exp()).sum(-1)  # -p log p, 0 where p = 0
+        # -p log p, 0 where p = 0 (a -inf logit), its gradient too (entr's is NaN there)
+        p = logp.exp()
+        ent = -(p * logp.masked_fill(p == 0, 0.0)).sum(-1)
         out["entropy"] = torch.where(valid, ent, 0.0).reshape(out_shape)
     amax = torch.where(valid, L.argmax(dim=-1), -1)
     if return_argmax:

@@ -62,7 +62,7 @@ def torch_stats(a: FwdArgs):
             ssum[s:e] = L.sum(1) if w is None else L @ w
         lse[s:e] = torch.logsumexp(L, dim=1)
         if entropy is not None:  # lse - E_p[L]
-            entropy[s:e] = lse[s:e] - torch.softmax(L, 1).mul_(L).sum(1)
+            entropy[s:e] = lse[s:e] - _math.mean_logit(L)
         if argmax is not None:
             argmax[s:e] = L.argmax(1)
     return lse, tgt, ssum, entropy, argmax
@@ -100,7 +100,7 @@ def torch_grad(a: BwdArgs, inplace: bool) -> torch.Tensor:
             d = L.sub_(lse[s:e, None].to(acc)).exp_().mul_(alpha[s:e, None].to(acc))  # alpha p
         else:  # p (alpha + eta L): the entropy's term (cce/_math.py)
             p = (L - lse[s:e, None].to(acc)).exp_()
-            d = L.mul_(a.eta[s:e, None].to(acc)).add_(alpha[s:e, None].to(acc)).mul_(p)
+            d = _math.entropy_dlogits_(L, p, alpha[s:e].to(acc), a.eta[s:e].to(acc))
         d.scatter_add_(1, safe_t[s:e, None], -beta[s:e, None].to(acc))
         if smoothing:
             d.addr_(gamma[s:e].to(acc), w, alpha=-1.0)

@@ -310,7 +310,7 @@ class ChunkedProblem:
             if forward:
                 if self.want_argmax:  # (before stats_ overwrites L; first index among ties)
                     self.argmax[prow] = L.argmax(1)
-                pz = torch.softmax(L, 1).mul_(L).sum(1) if self.want_entropy else None  # E_p[z]
+                pz = _math.mean_logit(L) if self.want_entropy else None  # E_p[z]
                 lse_c, tgt_c, ssum_c, rowsum = self.stats_(L, tc)
                 if pz is not None:
                     self.entropy[prow] = lse_c - pz
@@ -327,8 +327,7 @@ class ChunkedProblem:
                 # The entropy's term eta_i p_iv z_iv joins the dense part: P = p (alpha + eta z),
                 # from the saved lse (only the backward asks for it).
                 assert lse_in is not None, "the entropy's gradient is formed in the backward"
-                q = (L - lse_c[:, None]).exp_()
-                L.mul_(eta[0][:, None]).add_(alpha[:, None]).mul_(q)
+                _math.entropy_dlogits_(L, (L - lse_c[:, None]).exp_(), alpha, eta[0])
                 r = None
             elif lse_in is not None:
                 self.scaled_softmax_(L, lse_c, alpha)

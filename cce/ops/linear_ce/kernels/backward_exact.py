@@ -120,7 +120,8 @@ def _dz_slab_tma_kernel(
             if HAS_TEMP:
                 L = L * inv_temp
             if HAS_ETA:
-                dz = jm.exp(L - lse[:, None]) * (alpha[:, None] + eta[:, None] * L)
+                p = jm.exp(L - lse[:, None])  # (L where p > 0: a -inf logit gets 0, not NaN)
+                dz = p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0))
             else:
                 dz = alpha[:, None] * jm.exp(L - lse[:, None])  # [BLOCK_N, BLOCK_V]
             if FOLD_SMOOTH:

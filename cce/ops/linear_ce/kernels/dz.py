@@ -45,7 +45,10 @@ def dense_dz(
     p = tl.where(mask2, tl.exp(L - lse[:, None]), 0.0)
     if HAS_ETA:
         eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
-        dz = p * (alpha[:, None] + eta[:, None] * L) - tl.where(is_t, beta[:, None], 0.0)
+        # (L where p > 0: a -inf logit, a class a -inf bias masks, gets 0, not 0 * -inf)
+        dz = p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0)) - tl.where(
+            is_t, beta[:, None], 0.0
+        )
     else:
         dz = alpha[:, None] * p - tl.where(is_t, beta[:, None], 0.0)
     if FOLD_SMOOTH:

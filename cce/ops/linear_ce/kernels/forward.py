@@ -115,8 +115,9 @@ def _fwd_tile(
     scale = jm.exp(m - m_new)
     if ENTROPY:
         pdl = pe * dl
-        if STATS or not EVEN_V:
-            pdl = tl.where(dl > float("-inf"), pdl, 0.0)  # 0 * -inf at masked (target) columns
+        if STATS or not EVEN_V or HAS_BIAS:
+            # 0 * -inf at masked (target) columns, and at classes a -inf bias masks
+            pdl = tl.where(dl > float("-inf"), pdl, 0.0)
         # (s = 0 before the first tile, where m - m_new is -inf)
         hs = tl.where(s > 0, scale * (hs + (m - m_new) * s), 0.0) + tl.sum(pdl, axis=1)
         if STATS:

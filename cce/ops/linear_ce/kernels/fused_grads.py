@@ -112,7 +112,8 @@ def _fused_rows_kernel(
         if ENTROPY:
             # (s = 0 before the first block, where m - m_new is -inf)
             hs = tl.where(s > 0, scale * (hs + (m - m_new) * s), 0.0)
-            hs += tl.sum(tl.where(live, pe * d, 0.0), axis=0)
+            # (0, not 0 * -inf, at the pad classes and at classes a -inf bias masks)
+            hs += tl.sum(tl.where(d > -float("inf"), pe * d, 0.0), axis=0)
         s = s * scale + tl.sum(pe, axis=0)
         m = m_new
         zt += tl.sum(tl.where(vid == t, L, 0.0), axis=0)
