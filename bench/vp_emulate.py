@@ -11,7 +11,7 @@ single-device kernels, the O(N) combine of the statistics, and the collectives o
 transfer time, and the wait for the slowest rank. ``bench.dist`` (torchrun, several GPUs)
 measures those.
 
-Each block runs the rank's own op (cce/ops/linear_ce/local.py, ``triton_block_stats``: the
+Each block runs the rank's own op (cce/ops/linear_ce/local.py, ``block_stats``: the
 single-device forward op and its backward on the block, targets in block ids, the stand-in id 0
 for rows whose target lives on another block) under the upstream gradients a real rank receives
 from the mean loss: d loss / d lse_r = exp(lse_r - lse) / n, with lse combined from this block's
@@ -77,7 +77,7 @@ def shares(V: int, k: int) -> list[tuple[int, int]]:
 def rank_step(e, cb, t, start: int, size: int, lse_rest: torch.Tensor, ignore_index: int):
     """One rank's fwd+bwd on its block ``cb`` (rows [start, start + size) of the head) of the mean
     loss over the whole vocabulary, ``lse_rest`` the other blocks' combined lse (no gradient)."""
-    from cce.ops.linear_ce.local import triton_block_stats
+    from cce.ops.linear_ce.local import block_stats
 
     opts = cce.CCEOptions()
     eps, tuning = opts.resolved_filter_eps(e.dtype), opts.resolved_tuning
@@ -87,8 +87,8 @@ def rank_step(e, cb, t, start: int, size: int, lse_rest: torch.Tensor, ignore_in
     n = valid.sum().clamp(min=1)
 
     def run():
-        lse_r, tgt_r, *_ = triton_block_stats(
-            e, cb, None, None, None, local_t, 0.0, False, eps, True, True, False, tuning
+        lse_r, tgt_r, *_ = block_stats(
+            "triton", e, cb, None, None, None, local_t, 0.0, False, eps, True, True, False, tuning
         )  # fmt: skip
         lse = torch.logaddexp(lse_r, lse_rest)
         loss = torch.where(valid, lse - torch.where(inblk, tgt_r, 0.0), 0.0).sum() / n
@@ -99,7 +99,7 @@ def rank_step(e, cb, t, start: int, size: int, lse_rest: torch.Tensor, ignore_in
 
 def rest_lse(e, c, t, start: int, size: int, ignore_index: int) -> torch.Tensor:
     """logsumexp over the classes outside [start, start + size) per row (fp32; -inf if none)."""
-    from cce.ops.linear_ce.local import triton_block_stats
+    from cce.ops.linear_ce.local import block_stats
 
     opts = cce.CCEOptions()
     valid = t != ignore_index
@@ -108,8 +108,8 @@ def rest_lse(e, c, t, start: int, size: int, ignore_index: int) -> torch.Tensor:
         for lo, hi in ((0, start), (start + size, c.shape[0])):
             if hi > lo:
                 tl = torch.where(valid, 0, -1)  # any in-block id: the target logit is not used
-                lse, *_ = triton_block_stats(
-                    e, c[lo:hi], None, None, None, tl, 0.0, False, 0.0, False, False, False,
+                lse, *_ = block_stats(
+                    "triton", e, c[lo:hi], None, None, None, tl, 0.0, False, 0.0, False, False, False,
                     opts.resolved_tuning,
                 )  # fmt: skip
                 parts.append(lse)

@@ -23,11 +23,12 @@ gamma = -g_ssum (g_lse p_v equals the global alpha times the global softmax, sin
 g_lse = alpha exp(lse_r - lse)). dC_local and dbias_local stay local; dE is summed over ranks
 by an all-reduce in backward (the only collective there).
 
-impl="triton" runs the single-device forward op and its backward on the block
-(local.triton_block_stats): the same tile statistics, vocabulary order, backward algorithm and
-stash as one device, dE written in e's dtype and summed over ranks in that dtype (SumGrad), so
-no fp32 gradient buffer exists. Its filter is the one device's on the block's softmax p_loc =
-exp(L - lse_r) = p exp(lse - lse_r) >= p: an entry it skips (p_loc < eps) has p < eps too, so
+Either implementation runs its single-device forward op and that op's backward on the block
+(local.block_stats): for impl="triton" the same tile statistics, vocabulary order, backward
+algorithm and stash as one device; for impl="torch" the chunked loop. dE is written in e's dtype
+and summed over ranks in that dtype (SumGrad), so no fp32 gradient buffer exists. The filter is
+the one device's on the block's softmax p_loc = exp(L - lse_r) = p exp(lse - lse_r) >= p (on
+CPU only with impl="torch", as on one device): an entry it skips (p_loc < eps) has p < eps too, so
 the skipped set is one the single-device bound covers (a subset of what eps would skip on the
 global softmax, tile by tile in the block's own vocabulary order). Summing k bf16 shares
 costs roundings: each rank rounds its share once (2^-9 relative to the share), and the sum is
@@ -36,8 +37,6 @@ error is at most 2^-9 (|dE_0| + |dE_1| + |dE|) per entry against 2^-9 |dE| on on
 about sqrt(3) times one device's rounding (independent roundings), more only where the shares
 cancel (|dE_r| > |dE|). Keeping an fp32 dE for the sum would cost N x D x 4 bytes beyond the
 gradients (128 MiB at llama3-8b's D and N = 8192), against the memory target.
-impl="torch" (the exact, chunked loop) keeps its fp32 buffers and sums dE in fp32 before the
-cast.
 
 Replicated-loss convention: the loss is computed redundantly on every rank, so the backward of
 the all-gather just takes this rank's slice (no communication). This is exact when every rank
@@ -59,9 +58,9 @@ import torch.distributed as dist
 
 from .. import _math
 from .._dispatch import is_dtensor, needs_grad, select_impl
-from ..ops.linear_ce.local import block_grads, block_stats, logits_at, triton_block_stats
+from ..ops.linear_ce.local import block_stats, logits_at
 from ..ops.linear_ce.rows import flatten_rows
-from ..options import CCEOptions, Tuning
+from ..options import CCEOptions
 from ..outputs import assemble
 from .collectives import (
     GatherReplicated,
@@ -70,98 +69,8 @@ from .collectives import (
     ScaleGrad,
     SumGrad,
     all_gather,
-    all_reduce_,
 )
 from .setup import Layout, check_setup, from_dtensor, replicated_local
-
-# ---------------------------------------------------------------------------------------------
-# Local statistics of one vocabulary block (the per-rank op)
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Local:
-    """What the local op needs besides the differentiable inputs (e2d, c_local, bias_local)."""
-
-    weight: torch.Tensor | None  # [V_local] class weights of this block
-    rows: torch.Tensor | None  # shift: problem row -> row of e2d
-    local_t: torch.Tensor  # [N] target id within this block, -1 when not in it / ignored
-    valid: torch.Tensor  # [N] target != ignore_index (the row counts somewhere)
-    softcap: float
-    smoothing: bool  # whether ssum is needed
-    filter_eps: float
-    tuning: Tuning
-    temperature: float = 1.0  # the logits are softcap(z) / temperature
-    entropy: bool = False  # the block's entropy (an output)
-    argmax: bool = False  # the block's argmax (an output)
-
-
-def _local_problem_targets(lc: _Local) -> torch.Tensor:
-    """Local targets for a one-block problem with ignore_index=-1: -1 at ignored rows, the local
-    id in the block, a stand-in 0 for rows whose target lives on another rank (they still need
-    lse; their target coefficient is 0)."""
-    return torch.where(lc.valid, lc.local_t.clamp(min=0), torch.full_like(lc.local_t, -1))
-
-
-class _LocalStats(torch.autograd.Function):
-    """impl="torch": (lse, tgt, ssum, entropy, argmax) of this rank's block (ssum, entropy and
-    argmax empty where not asked for); backward takes upstream gradients on the first four (the
-    chunked loop's fp32 gradients; dE summed over ``group`` in fp32 when given)."""
-
-    @staticmethod
-    def forward(ctx, e2d, c, bias, lc: _Local, group):
-        t = _local_problem_targets(lc)
-        lse, tgt, ssum, ent, amax = block_stats(
-            e2d, c, bias, lc.weight, lc.rows, t, lc.softcap, lc.smoothing, lc.tuning, lc.temperature,
-            lc.entropy, lc.argmax,
-        )  # fmt: skip
-        tgt = torch.where(lc.local_t >= 0, tgt, 0.0)  # the stand-in target of rows on other ranks
-        ctx.lc, ctx.group = lc, group
-        ctx.save_for_backward(e2d, c, bias, lse, ent)
-        empty = lse.new_zeros(0)
-        amax = t.new_zeros(0) if amax is None else amax
-        ctx.mark_non_differentiable(amax)
-        # Unused outputs (the entropy when it is only logged) get None, not zero-filled gradients.
-        ctx.set_materialize_grads(False)
-        return lse, tgt, empty if ssum is None else ssum, empty if ent is None else ent, amax
-
-    @staticmethod
-    def backward(ctx, g_lse, g_tgt, g_ssum, g_ent, _g_amax):
-        e2d, c, bias, lse, ent = ctx.saved_tensors
-        lc: _Local = ctx.lc
-        need_de, need_dc, need_db = ctx.needs_input_grad[:3]
-        need_db = need_db and bias is not None
-        if not (need_de or need_dc or need_db):
-            return None, None, None, None, None
-        zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
-
-        def up(g, where):  # an upstream gradient on valid rows, 0 elsewhere or when absent
-            return torch.zeros_like(lse) if g is None else torch.where(where, g.to(lse.dtype), zero)
-
-        alpha = up(g_lse, lc.valid)
-        beta = -up(g_tgt, lc.valid & (lc.local_t >= 0))
-        gamma = -up(g_ssum, lc.valid) if lc.smoothing else None
-        eta = None
-        if g_ent is not None:  # d H / d L_v = -p_v (L_v - lse + H) (cce/_math.output_coefficients)
-            d = up(g_ent, lc.valid)
-            alpha = alpha + d * (lse - ent)
-            eta = -d
-        dE, dC, db = block_grads(
-            e2d, c, bias, lc.weight, lc.rows, _local_problem_targets(lc), lse, alpha, beta, gamma,
-            lc.softcap, lc.filter_eps, need_de, need_dc, need_db, lc.tuning, lc.temperature, eta,
-        )  # fmt: skip
-        if need_de and ctx.group is not None:
-            # This block's share of dE; the full dE is the sum over ranks, reduced in the
-            # accumulation dtype and rounded to e's dtype once. (Every rank needs dE here: the
-            # set-up check compared e.requires_grad across ranks.)
-            dE = all_reduce_(dE, ctx.group)  # (out of place while compiling)
-        # Cast one gradient at a time, dropping each fp32 buffer before the next cast, so the
-        # peak holds one fp32 / low-precision pair, not all of them.
-        dE = dE.to(e2d.dtype) if need_de else None
-        dC = dC.to(c.dtype) if need_dc else None
-        db = db.to(bias.dtype) if need_db else None
-        return dE, dC, db, None, None
-
 
 # ---------------------------------------------------------------------------------------------
 # Public entry points
@@ -206,39 +115,28 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     valid = tgt != opts.ignore_index
     start, V_local = lay.start, c.shape[0]
     inblk = valid & (tgt >= start) & (tgt < start + V_local)
-    local_t = torch.where(inblk, tgt - start, torch.full_like(tgt, -1))
+    # The block's one-device problem (ignore_index -1): the target's id in the block, a stand-in
+    # 0 for rows whose target lives on another rank (they need lse; their target term is dropped
+    # below, so its gradient is 0), -1 at ignored rows.
+    local_t = torch.where(valid, torch.where(inblk, tgt - start, 0), -1)
     smoothing = opts.label_smoothing > 0
     want_ent = opts.return_entropy
     want_amax = opts.return_argmax or opts.return_accuracy
     if want_amax and lay.V > 2**24:
         raise ValueError(f"the argmax under vocabulary parallelism supports up to 2^24 classes, got {lay.V}")
-    lc = _Local(
-        weight=weight,
-        rows=rows,
-        local_t=local_t,
-        valid=valid,
-        softcap=opts.softcap_value,
-        smoothing=smoothing,
-        filter_eps=opts.resolved_filter_eps(e2d.dtype),
-        tuning=opts.resolved_tuning,
-        temperature=float(opts.temperature),
-        entropy=want_ent,
-        argmax=want_amax,
+    softcap, temperature, eps = (
+        opts.softcap_value,
+        float(opts.temperature),
+        opts.resolved_filter_eps(e2d.dtype),
     )
-    # Replicated tokens: dE is summed over the ranks (triton: SumGrad, in e's dtype; torch: the
-    # local op, in fp32). Sharded tokens: the all-gather of the tokens reduce-scatters it.
-    if impl == "triton":
-        e_in = e2d if tokens_sharded or not needs_grad(e2d) else SumGrad.apply(e2d, group)
-        t = _local_problem_targets(lc)
-        lse_r, tgt_r, ssum_r, ent_r, amax_r = triton_block_stats(
-            e_in, c, bias, weight, rows, t, lc.softcap, smoothing, lc.filter_eps, needs_grad(e2d),
-            needs_grad(c), needs_grad(bias), lc.tuning, lc.temperature, want_ent, want_amax,
-        )  # fmt: skip
-        tgt_r = torch.where(inblk, tgt_r, 0.0)  # the stand-in target of rows on other ranks
-    else:
-        lse_r, tgt_r, ssum_r, ent_r, amax_r = _LocalStats.apply(
-            e2d, c, bias, lc, None if tokens_sharded else group
-        )
+    # Replicated tokens: dE is summed over the ranks (SumGrad, in e's dtype). Sharded tokens: the
+    # all-gather of the tokens reduce-scatters it.
+    e_in = e2d if tokens_sharded or not needs_grad(e2d) else SumGrad.apply(e2d, group)
+    lse_r, tgt_r, ssum_r, ent_r, amax_r = block_stats(
+        impl, e_in, c, bias, weight, rows, local_t, softcap, smoothing, eps, needs_grad(e2d), needs_grad(c),
+        needs_grad(bias), opts.resolved_tuning, temperature, want_ent, want_amax,
+    )  # fmt: skip
+    tgt_r = torch.where(inblk, tgt_r, 0.0)  # the stand-in target of rows on other ranks
 
     # One all-gather of everything the loss needs: lse, tgt[, ssum][, H][, max, argmax][, w_t, W].
     parts = [lse_r, tgt_r]
@@ -248,7 +146,7 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
         parts.append(ent_r.float())
     if want_amax:
         top = logits_at(e2d.detach(), rows, c.detach(), None if bias is None else bias.detach(),
-                        amax_r, lc.softcap, lc.temperature)  # fmt: skip
+                        amax_r, softcap, temperature)  # fmt: skip
         parts += [top, (amax_r + start).float()]
     if weight is not None:
         wl = weight.to(lse_r.dtype)

@@ -68,7 +68,7 @@ TRITON_OUTPUT_CASES: dict[str, dict] = {
 }
 # A group of one rank (Triton interpreter): a step with every output traces under
 # torch.compile(fullgraph=True) and matches eager (backend aot_eager: no C++ compiler needed).
-WORLD1_OUTPUT_CASES = ("out_w1_compile_fullgraph",)
+WORLD1_OUTPUT_CASES = ("out_w1_compile_fullgraph", "out_w1_compile_fullgraph_torch")
 # Options drawn at random (seeded alike on every rank), each compared with the float64 oracle
 # (cce.reference): a property test over temperature, softcap, shift, ignored tokens, label
 # smoothing, z-loss, class weights, bias, reduction, the split and the outputs asked for.
@@ -229,9 +229,10 @@ def _world1_compile(name: str, group, tuned) -> None:
 
     e, c, t, b, _ = _inputs(name, dict(bias=True), 1)
     fn = tuned()
+    impl = "torch" if name.endswith("_torch") else "triton"
 
     def step(e_, c_, b_):
-        out = fn(e_, c_, t, b_, process_group=group, impl="triton", temperature=0.8, shift=True, **ALL)
+        out = fn(e_, c_, t, b_, process_group=group, impl=impl, temperature=0.8, shift=True, **ALL)
         return out.loss - 0.1 * out.entropy.mean() + out.logprobs.sum(), out.argmax, out.accuracy
 
     leaves = [leaf(x) for x in (e, c, b)]

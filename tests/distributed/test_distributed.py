@@ -96,7 +96,7 @@ TRITON_CASES: dict[str, dict] = {
     # The sparse backward (the single-device fast path) on every block: with a threshold far
     # below the softmax entries here, the skipped tiles' mass is < 1e-9 per entry and both sides
     # are exact up to fp32 rounding, so the per-block coefficients (alpha = g_lse, beta = -g_tgt,
-    # gamma = -g_ssum through local.triton_block_stats) are compared at TOL_FP32. The stand-in
+    # gamma = -g_ssum through local.block_stats) are compared at TOL_FP32. The stand-in
     # target of rows whose target is on another rank is every rank's case here.
     "triton_sparse": dict(
         tuning=dict(backward="sparse"), opts=dict(impl="triton", filter_eps=1e-9, shift=True)
