@@ -26,7 +26,8 @@ by an all-reduce in backward (the only collective there).
 Either implementation runs its single-device forward op and that op's backward on the block
 (local.block_stats): for impl="triton" the same tile statistics, vocabulary order, backward
 algorithm and stash as one device; for impl="torch" the chunked loop. dE is written in e's dtype
-and summed over ranks in that dtype (SumGrad), so no fp32 gradient buffer exists. The filter is
+and summed over ranks in that dtype (SumGrad): with impl="triton" no fp32 gradient buffer exists
+(impl="torch" accumulates in fp32 per chunk loop, as on one device). The filter is
 the one device's on the block's softmax p_loc = exp(L - lse_r) = p exp(lse - lse_r) >= p (on
 CPU only with impl="torch", as on one device): an entry it skips (p_loc < eps) has p < eps too, so
 the skipped set is one the single-device bound covers (a subset of what eps would skip on the
@@ -116,9 +117,12 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     start, V_local = lay.start, c.shape[0]
     inblk = valid & (tgt >= start) & (tgt < start + V_local)
     # The block's one-device problem (ignore_index -1): the target's id in the block, a stand-in
-    # 0 for rows whose target lives on another rank (they need lse; their target term is dropped
-    # below, so its gradient is 0), -1 at ignored rows.
-    local_t = torch.where(valid, torch.where(inblk, tgt - start, 0), -1)
+    # for rows whose target lives on another rank (they need lse; their target term is dropped
+    # below, so its gradient is 0), -1 at ignored rows. The stand-in is a class of finite logit
+    # (the block's largest bias: a class a -inf bias masks would give the kernels' target terms
+    # 0 * -inf), found on the device.
+    stand_in = torch.zeros((), dtype=tgt.dtype, device=tgt.device) if bias is None else bias.detach().argmax()
+    local_t = torch.where(valid, torch.where(inblk, tgt - start, stand_in), -1)
     smoothing = opts.label_smoothing > 0
     want_ent = opts.return_entropy
     want_amax = opts.return_argmax or opts.return_accuracy

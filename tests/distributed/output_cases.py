@@ -30,13 +30,14 @@ DIFF = ("loss", "lse", "logprobs", "entropy")  # the differentiable outputs
 OUTPUT_CASES: dict[str, dict] = {
     "out_all_temperature_bias": dict(bias=True, opts=dict(**ALL, temperature=0.7)),
     "out_softcap_shift_none": dict(
-        opts=dict(**ALL, softcap=4.0, shift=True, reduction="none", temperature=1.6), scale=9.0
+        opts=dict(**ALL, softcap=4.0, shift=True, reduction="none", temperature=1.6), scale=3.0
     ),
     "out_smoothing_weight_skewed": dict(
         weight=True, split="skewed", opts=dict(**ALL, label_smoothing=0.1, z_loss=1e-3, reduction="sum")
     ),
     # The entropy asked for but only logged: the gradients are the loss's alone.
     "out_entropy_logged": dict(opts=dict(return_entropy=True, return_accuracy=True), logged=True),
+    "out_masked_classes": dict(bias=True, masked=True, opts=dict(**ALL, temperature=0.8)),
     "out_filter_auto": dict(bias=True, opts=dict(**ALL, filter_eps="auto", temperature=0.9)),
     # Equal classifier rows in every block: the largest logit is tied across ranks, and the
     # smallest id (the first block's) must win, as torch.argmax. (The entropy is only logged:
@@ -58,6 +59,17 @@ TRITON_OUTPUT_CASES: dict[str, dict] = {
         tuning=dict(backward="sparse"),
         logged=True,
         opts=dict(return_entropy=True, return_argmax=True, return_logprobs=True, filter_eps=1e-9),
+    ),  # fmt: skip
+    # Masked classes (a -inf bias, frozen: the sparse backward needs no bias gradient) at every
+    # block's first class: the rows whose target lives on another rank must not take a masked
+    # class as their stand-in target (its tile statistics' target term gave a NaN entropy).
+    "out_triton_sparse_masked": dict(
+        impl="triton",
+        tuning=dict(backward="sparse"),
+        bias=True,
+        frozen_bias=True,
+        masked=True,
+        opts=dict(return_entropy=True, return_logprobs=True, filter_eps=1e-3),
     ),  # fmt: skip
     "out_triton_sparse_entropy_grad": dict(
         impl="triton",
@@ -90,6 +102,13 @@ def _inputs(name: str, spec: dict, world: int, lead=(3, 11)):
     t = torch.randint(0, V, lead, generator=g)
     t[torch.rand(lead, generator=g) < 0.15] = -100
     w = torch.rand(V, generator=g) + 0.25 if spec.get("weight") else None
+    if spec.get("masked"):
+        # Classes masked by a -inf bias, each block's first among them (where a stand-in target
+        # of 0 would read a -inf logit); no target on a masked class (its loss would be inf).
+        sizes = split_sizes(world, spec.get("split", "even"))
+        b[[sum(sizes[:r]) for r in range(world)]] = float("-inf")
+        b[7::11] = float("-inf")
+        t = torch.where((t >= 0) & (b[t.clamp(min=0)] == float("-inf")), t + 1, t)
     if spec.get("ties"):
         # Exact arithmetic (multiples of 1/4 with |z| <= 10, sums exact in fp32), so that equal
         # rows give equal logits on every side; one class per block with the same row of c and
@@ -120,9 +139,9 @@ def _outputs_and_grads(fn, e, c, t, b, logged: bool, seed: int, **opts):
         vals[name] = x.detach()
         if name in DIFF and (name == "loss" or not logged):
             total = total + (x * torch.randn(x.shape, generator=gen, dtype=torch.float64).float()).sum()
-    inputs = [x for x in (e, c, b) if x is not None]
-    grads = torch.autograd.grad(total, inputs, allow_unused=True)
-    return vals, list(grads) + [None] * (3 - len(grads))
+    inputs = [x for x in (e, c, b) if x is not None and x.requires_grad]
+    grads = iter(torch.autograd.grad(total, inputs, allow_unused=True))
+    return vals, [next(grads) if x is not None and x.requires_grad else None for x in (e, c, b)]
 
 
 def _compare(name: str, got, ref, block: slice, clear: torch.Tensor | None = None) -> None:
@@ -152,18 +171,24 @@ def _compare(name: str, got, ref, block: slice, clear: torch.Tensor | None = Non
             assert err <= TOL_FP32, f"{name}: {what} rel err {err:.3g} > {TOL_FP32}"
 
 
-def _clear_rows(e, c, b) -> torch.Tensor:
-    """[N] bool: rows whose two largest logits (fp64) are apart by more than 4 delta, where
-    delta = D 2^-24 max ||e_i|| max ||c_v|| bounds a fp32 logit's rounding (a D-term dot
-    product; the bias adds one rounding of its size): there every side's argmax is the same.
-    Softcap and the temperature are monotone, keep the order and do not widen a near tie."""
+def _clear_rows(e, c, b, opts: dict) -> torch.Tensor:
+    """[N] bool: rows whose two largest logits (fp64, after softcap and the temperature) are apart
+    by more than 4 delta, where delta = (D 2^-24 max ||e_i|| max ||c_v|| + 2^-24 max |z| [+ 4
+    2^-24 softcap]) / T bounds a fp32 logit's rounding (a D-term dot product and the bias;
+    softcap' <= 1, and tanh's own rounding): there every side's argmax is the same. -inf logits
+    (masked classes) are left out of the bound."""
     e2, c2 = e.reshape(-1, D).double(), c.double()
     L = e2 @ c2.T + (0.0 if b is None else b.double())
-    top2 = L.topk(2, dim=1).values
+    fin = L[torch.isfinite(L)]
+    T = opts.get("temperature", 1.0)
     delta = D * 2.0**-24 * float(e2.norm(dim=1).max() * c2.norm(dim=1).max()) + 2.0**-24 * float(
-        L.abs().max()
+        fin.abs().max()
     )
-    return (top2[:, 0] - top2[:, 1]) > 4 * delta
+    if opts.get("softcap"):
+        L = opts["softcap"] * torch.tanh(L / opts["softcap"])
+        delta += 4 * 2.0**-24 * opts["softcap"]  # tanh's own fp32 rounding, a few ulps of the cap
+    top2 = (L / T).topk(2, dim=1).values
+    return (top2[:, 0] - top2[:, 1]) > 4 * delta / T
 
 
 def run_output_case(name: str, rank: int, world: int, group, tuned) -> None:
@@ -206,14 +231,20 @@ def run_output_case(name: str, rank: int, world: int, group, tuned) -> None:
         _compare(name, got, ref, block)
         return
     e, c, t, b, w = _inputs(name, spec, world)
+
+    def bias(x, rows=None):  # a frozen bias (no gradient) takes the sparse backward
+        if spec.get("frozen_bias"):
+            return None if x is None else x[rows if rows is not None else slice(None)].clone()
+        return leaf(x, rows)
+
     ref = _outputs_and_grads(lambda *a, **k: fn(*a, weight=w, impl=impl, **k),
-                             leaf(e), leaf(c), t, leaf(b), logged, 7, **opts)  # fmt: skip
+                             leaf(e), leaf(c), t, bias(b), logged, 7, **opts)  # fmt: skip
     wl = None if w is None else w[block]
     got = _outputs_and_grads(lambda *a, **k: fn(*a, weight=wl, process_group=group, impl=impl, **k),
-                             leaf(e), leaf(c, block), t, leaf(b, block), logged, 7, **opts)  # fmt: skip
+                             leaf(e), leaf(c, block), t, bias(b, block), logged, 7, **opts)  # fmt: skip
     clear = None
     if not spec.get("ties"):
-        clear = _clear_rows(e, c, b).reshape(t.shape)
+        clear = _clear_rows(e, c, b, opts).reshape(t.shape)
         if opts.get("shift"):
             clear = clear[..., :-1]
         assert clear.float().mean() > 0.9, f"{name}: too many near ties to compare the argmax"
@@ -285,7 +316,7 @@ def _random_config(name: str, rank: int, world: int, group) -> None:
                                                  filter_eps=None, **k),
         leaf(e), leaf(c, block), t, leaf(b, block), logged, 11, **opts,
     )  # fmt: skip
-    clear = _clear_rows(e, c, b).reshape(t.shape)
+    clear = _clear_rows(e, c, b, opts).reshape(t.shape)
     if opts["shift"]:
         clear = clear[..., :-1]
     try:
