@@ -213,21 +213,25 @@ def run_output_case(name: str, rank: int, world: int, group, tuned) -> None:
     start = sum(sizes[:rank])
     block = slice(start, start + sizes[rank])
     if name in SHARDED_OUTPUT_CASES:
-        # Every rank its own tokens (1 + r sequences): compared with one process on them.
-        e, c, t, b, w = _inputs(f"{name}-{rank}", spec, world, lead=(1 + rank, 11))
+        # Every rank its own tokens (1 + r sequences): the outputs and dE compared with one
+        # process on this rank's tokens; dC and dbias, the sum over ranks of every rank's
+        # objective's gradient for the block, with the sum of the one-process gradients of every
+        # rank's tokens (each under the upstream draws that rank makes).
         _, c, _, b, w = _inputs(name, spec, world)
-        ref = _outputs_and_grads(lambda *a, **k: cce.linear_cross_entropy(*a, impl=impl, **k),
-                                 leaf(e), leaf(c), t, leaf(b), logged, 7, **opts)  # fmt: skip
+        refs = []
+        for r in range(world):
+            e_r, _, t_r, _, _ = _inputs(f"{name}-{r}", spec, world, lead=(1 + r, 11))
+            refs.append(_outputs_and_grads(lambda *a, **k: cce.linear_cross_entropy(*a, impl=impl, **k),
+                                           leaf(e_r), leaf(c), t_r, leaf(b), logged, 7, **opts))  # fmt: skip
+        e, _, t, _, _ = _inputs(f"{name}-{rank}", spec, world, lead=(1 + rank, 11))
         o = CCEOptions(**opts, impl=impl, tuning=Tuning(**spec.get("tuning", {})))
 
         def vp(e_, c_, t_, b_, **_k):
             return vocab_parallel_sharded_tokens(e_, c_, t_, b_, None, o, group, grad_divide=1.0)
 
         got = _outputs_and_grads(vp, leaf(e), leaf(c, block), t, leaf(b, block), logged, 7)
-        # dC / dbias here are the sum over ranks of every rank's loss gradient for the block:
-        # only dE (this rank's tokens) and the outputs compare with one process on its tokens.
-        got = (got[0], [got[1][0], None, None])
-        ref = (ref[0], [ref[1][0], None, None])
+        summed = [None if refs[0][1][i] is None else sum(r[1][i] for r in refs) for i in (1, 2)]
+        ref = (refs[rank][0], [refs[rank][1][0], *summed])
         _compare(name, got, ref, block)
         return
     e, c, t, b, w = _inputs(name, spec, world)
