@@ -251,7 +251,8 @@ def vocab_parallel_sharded_tokens(
     The tokens (``e`` rows, O(N D) per rank, after the shift) are all-gathered instead of the
     classifier (O(V D)); every rank computes its block's statistics for all ranks' tokens, the
     statistics are combined as in :func:`linear_cross_entropy_vocab_parallel`, and each rank
-    returns the loss of its own tokens. Backward: each rank's ``e`` gets the gradient of its own
+    returns the loss of its own tokens (and the per-token outputs asked for in ``opts``, its
+    accuracy over its own tokens). Backward: each rank's ``e`` gets the gradient of its own
     loss (a reduce-scatter); ``c_local`` / ``bias`` get the sum over ranks of every rank's loss
     gradient for the block, divided by ``grad_divide`` (the number of ranks reproduces FSDP2's
     gradient averaging). Ranks may hold different numbers of tokens.
