@@ -137,7 +137,15 @@ def test_outputs_equal_to_one_device(group, temperature):
     (one, dE1, dC1), (vp, dE2, dC2) = res
     for k in ("loss", "lse", "logprobs", "entropy"):
         assert rel_l2(getattr(vp, k).float(), getattr(one, k).float()) <= 1e-5, k
-    assert torch.equal(vp.argmax, one.argmax) and torch.equal(vp.accuracy, one.accuracy)
+    # The argmax where a row's two largest logits are apart by more than either side's fp32
+    # rounding (the single-device call may take the fused path, cuBLAS logits; the block op the
+    # forward kernel's): 1e-4 relative is ~100x that at D = 1024.
+    top2 = (e.float() @ c.float().T).topk(2, dim=1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-4 * (1 + top2[:, 0].abs())
+    assert clear.float().mean() > 0.99
+    assert torch.equal(vp.argmax[clear], one.argmax[clear])
+    valid = (t != -100).sum()
+    assert abs(float(vp.accuracy) - float(one.accuracy)) <= float((~clear).sum()) / float(valid)
     assert rel_l2(dE2.float(), dE1.float()) <= 1e-2 and rel_l2(dC2.float(), dC1.float()) <= 1e-2
 
 
