@@ -150,7 +150,7 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
         parts.append(ent_r.float())
     if want_amax:
         top = logits_at(e2d.detach(), rows, c.detach(), None if bias is None else bias.detach(),
-                        amax_r, softcap, temperature)  # fmt: skip
+                        amax_r, softcap, temperature, opts.resolved_tuning.chunk_bytes)  # fmt: skip
         parts += [top, (amax_r + start).float()]
     if weight is not None:
         wl = weight.to(lse_r.dtype)

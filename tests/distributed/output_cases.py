@@ -32,9 +32,13 @@ OUTPUT_CASES: dict[str, dict] = {
     "out_softcap_shift_none": dict(
         opts=dict(**ALL, softcap=4.0, shift=True, reduction="none", temperature=1.6), scale=3.0
     ),
+    # (a small chunk budget: several row chunks in the chunked loop and in logits_at)
     "out_smoothing_weight_skewed": dict(
-        weight=True, split="skewed", opts=dict(**ALL, label_smoothing=0.1, z_loss=1e-3, reduction="sum")
-    ),
+        weight=True,
+        split="skewed",
+        tuning=dict(chunk_bytes=2048),
+        opts=dict(**ALL, label_smoothing=0.1, z_loss=1e-3, reduction="sum"),
+    ),  # fmt: skip
     # The entropy asked for but only logged: the gradients are the loss's alone.
     "out_entropy_logged": dict(opts=dict(return_entropy=True, return_accuracy=True), logged=True),
     "out_masked_classes": dict(bias=True, masked=True, opts=dict(**ALL, temperature=0.8)),

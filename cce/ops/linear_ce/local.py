@@ -97,21 +97,25 @@ def block_stats(
     return lse, tgt, ssum, ent if entropy else None, amax if argmax else None
 
 
-# Rows per chunk of logits_at's fp32 products (a [rows, D] fp32 pair: 16 MiB at D = 4096).
-_LOGITS_AT_BYTES = 16 << 20
+# Bytes of logits_at's fp32 products per chunk of rows (Tuning.chunk_bytes None): a [rows, D]
+# fp32 pair, 16 MiB.
+LOGITS_AT_BYTES = 16 << 20
 
 
 @torch.no_grad()
-def logits_at(e2d, rows, c, bias, cls, softcap: float, temperature: float) -> torch.Tensor:
+def logits_at(
+    e2d, rows, c, bias, cls, softcap: float, temperature: float, chunk_bytes: int | None = None
+) -> torch.Tensor:
     """[N] fp32: the logit softcap(e_i . c_k + bias_k) / temperature of class ``cls[i]`` (a
     block-local id) of each problem row i, from the operands in fp32 (O(N D), no logits).
 
     It ranks the blocks' argmaxes against each other. Its rounding differs from the kernels'
     (fp32 products of the stored operands, summed by torch), so blocks whose maxima lie within
     rounding of each other may resolve a near tie otherwise than one device would; exact ties
-    (equal rows of c and bias) compare equal, the lower block winning, as torch.argmax."""
+    (equal rows of c and bias) compare equal, the lower block winning, as torch.argmax. The rows
+    go in chunks of ``chunk_bytes`` of fp32 products."""
     N, D = cls.numel(), c.shape[1]
-    step = max(1, _LOGITS_AT_BYTES // (8 * D))
+    step = max(1, (LOGITS_AT_BYTES if chunk_bytes is None else chunk_bytes) // (8 * D))
     out = []
     for i in range(0, N, step):
         k = cls[i : i + step]
