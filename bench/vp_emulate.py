@@ -74,12 +74,22 @@ def shares(V: int, k: int) -> list[tuple[int, int]]:
     return [(sum(sizes[:r]), sizes[r]) for r in range(k)]
 
 
-def rank_step(e, cb, t, start: int, size: int, lse_rest: torch.Tensor, ignore_index: int):
+def rank_step(
+    e,
+    cb,
+    t,
+    start: int,
+    size: int,
+    lse_rest: torch.Tensor,
+    ignore_index: int,
+    tuning: cce.Tuning | None = None,
+):
     """One rank's fwd+bwd on its block ``cb`` (rows [start, start + size) of the head) of the mean
-    loss over the whole vocabulary, ``lse_rest`` the other blocks' combined lse (no gradient)."""
+    loss over the whole vocabulary, ``lse_rest`` the other blocks' combined lse (no gradient);
+    ``tuning``: the rank's options' (None: the default)."""
     from cce.ops.linear_ce.local import block_stats
 
-    opts = cce.CCEOptions()
+    opts = cce.CCEOptions(tuning=tuning)
     eps, tuning = opts.resolved_filter_eps(e.dtype), opts.resolved_tuning
     valid = t != ignore_index
     inblk = valid & (t >= start) & (t < start + size)
