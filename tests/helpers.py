@@ -357,6 +357,34 @@ def triton_training_forward(e, c, t, eps: float, tuning):
     )  # fmt: skip
 
 
+def capture_step(step, e, c, t):
+    """(graph, its loss): ``step(e, c, t)`` (a loss) and its backward captured in a CUDA graph, after
+    a warm-up on a side stream (compiles and autotunes the kernels outside the capture); e and c
+    are leaves used only by the graph afterwards (their .grad holds the replayed gradients)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            e.grad = c.grad = None
+            step(e, c, t).backward()
+    torch.cuda.current_stream().wait_stream(s)
+    e.grad = c.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(e, c, t)
+        out.backward()
+    return graph, out
+
+
+def replay_on(graph, static, new) -> None:
+    """Copies the tensors ``new`` into the graph's ``static`` inputs, replays it and waits."""
+    with torch.no_grad():
+        for x, y in zip(static, new, strict=True):
+            x.copy_(y)
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def captured_step(step, shape, regime: str, seed: int):
     """Captures ``step(e, c, t)`` (a loss) and its backward in a CUDA graph on inputs of ``seed``,
     replays it on inputs of ``seed + 1`` copied into the same tensors; returns (the graph's loss,
@@ -367,23 +395,7 @@ def captured_step(step, shape, regime: str, seed: int):
     e0, c0, t0 = make_inputs(N, D, V, regime, dtype=torch.bfloat16, device="cuda", seed=seed)
     # Fresh leaves, used only inside the graph's stream (autograd accumulates on their stream).
     e, c, t = e0.clone().requires_grad_(), c0.clone().requires_grad_(), t0.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):  # warm-up: compiles the kernels outside the capture
-            e.grad = c.grad = None
-            step(e, c, t).backward()
-    torch.cuda.current_stream().wait_stream(s)
-    e.grad = c.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(e, c, t)
-        out.backward()
+    graph, out = capture_step(step, e, c, t)
     e2, c2, t2 = make_inputs(N, D, V, regime, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
-    with torch.no_grad():
-        e.copy_(e2)
-        c.copy_(c2)
-        t.copy_(t2)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_on(graph, (e, c, t), (e2, c2, t2))
     return out, (e, c), (e2, c2, t2)

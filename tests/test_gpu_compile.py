@@ -15,7 +15,7 @@ import torch
 import torch._dynamo
 
 import cce
-from tests.helpers import rel_err
+from tests.helpers import capture_step, rel_err, replay_on
 
 pytestmark = pytest.mark.gpu
 
@@ -111,31 +111,13 @@ def test_cuda_graph_capture_and_replay(impl, dtype):
     def fn(e, c, t):
         return cce.linear_cross_entropy(e, c, t, shift=False, impl=impl)
 
-    # Warm up on a side stream (autotuning, lazy init) as CUDA graph capture requires.
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            e.grad = c.grad = None
-            fn(e, c, t).backward()
-    torch.cuda.current_stream().wait_stream(s)
-
-    graph = torch.cuda.CUDAGraph()
-    e.grad = c.grad = None
-    with torch.cuda.graph(graph):
-        static_loss = fn(e, c, t)
-        static_loss.backward()
+    graph, static_loss = capture_step(fn, e, c, t)
     static_de, static_dc = e.grad, c.grad
 
     tl, tg = _tol(dtype)
     for seed in (1, 2):
         e2, c2, t2, _ = _inputs(N, dtype, seed=seed)
-        with torch.no_grad():
-            e.copy_(e2)
-            c.copy_(c2)
-            t.copy_(t2)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay_on(graph, (e, c, t), (e2, c2, t2))
         ref_loss, (ref_de, ref_dc) = _fwd_bwd(lambda e, c, t, b: fn(e, c, t), e2, c2, t2, None)
         assert rel_err(static_loss, ref_loss) <= tl
         assert rel_err(static_de, ref_de) <= tg
