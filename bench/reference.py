@@ -152,7 +152,9 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 
 @torch.no_grad()
 def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """||a - ref|| / ||ref||, summed in fp64 over row chunks (no full-size fp64 copy)."""
+    """||a - ref|| / ||ref||, summed in fp64 over row chunks (no full-size fp64 copy); a 0-d pair
+    (a reduced loss) counts as one row."""
+    a, ref = a.reshape(1, -1) if a.dim() == 0 else a, ref.reshape(1, -1) if ref.dim() == 0 else ref
     num = torch.zeros((), device=ref.device, dtype=torch.float64)
     den = torch.zeros((), device=ref.device, dtype=torch.float64)
     step = max(1, (256 << 20) // (8 * max(ref.shape[-1], 1)))
