@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .kernels.common import inverse_permutation, mm_f32, tile_sizes
+from .kernels.common import inverse_permutation, mm_f32, target_term_sq, tile_sizes
 from .kernels.dense_slabs import slab_products
 from .kernels.dz import class_sample_dz
 from .kernels.tile_stats import decode_tile_mass
@@ -56,7 +56,9 @@ class SlabErrors(NamedTuple):
     ref: fp32 [rows, D], the rows' exact dE; fo: fp32 [n_slabs, rows, D] or None, the part of
     the first-order terms each slab's skipped tiles give dE. dc_err / dc_err_fo: fp32 [n_slabs]
     or None, each slab's squared dC error estimated (without / with the first-order terms);
-    dc_ref: fp32 [] or None, ||dC||^2 estimated (dc_error_terms).
+    dc_ref: fp32 [] or None, ||dC||^2 estimated (dc_error_terms). ref_sq: fp32 [] or None,
+    ||dE||^2 estimated with the target terms summed exactly over all rows (slab_errors'
+    ``coef_t``); None: ||ref||^2 is the estimate.
     """
 
     err: torch.Tensor
@@ -65,6 +67,7 @@ class SlabErrors(NamedTuple):
     dc_err: torch.Tensor | None = None
     dc_err_fo: torch.Tensor | None = None
     dc_ref: torch.Tensor | None = None
+    ref_sq: torch.Tensor | None = None
 
 
 def sample_rows(
@@ -123,6 +126,7 @@ def slab_errors(
     rows: int = ERROR_ROWS,
     cm: torch.Tensor | None = None,
     vscore: torch.Tensor | None = None,
+    coef_t: torch.Tensor | None = None,
 ) -> SlabErrors:
     """SlabErrors for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] is what the rank-1 corrections of the skipped tiles of slab s
@@ -142,6 +146,16 @@ def slab_errors(
 
     With ``vscore`` (the forward's class scores, sorted positions) also dC's estimates
     (dc_error_terms; dc_err_fo with ``cm``).
+
+    With ``coef_t`` (fp32 [N], every sorted row's target coefficient (alpha p_t - beta)
+    softcap', 0 past n_valid) also ref_sq, ||dE||^2 estimated with the target terms as a
+    control variate: T + sum_m (||ref_m||^2 - s_m^2 coef_m^2 ||c_t_m||^2), T = sum_i coef_i^2
+    ||c_t_i||^2 over all rows (exact, O(N D)). Unbiased as ||ref||^2 is, and without the
+    target terms' spread from row to row: under vocabulary parallelism only the rows whose
+    target lies in the rank's block have one, and ||ref|| alone then erred by up to 15% on 32
+    sampled rows (random data, a half of llama3-8b's head, docs/benchmarks.md), flipping the
+    rule's decision where the corrections' error sits near the bound. Exact when every row is
+    sampled.
     """
     N, nt = code.shape
     V, D = c.shape
@@ -193,6 +207,17 @@ def slab_errors(
     prod = slab_products(w2, c, vperm, width)  # [n_slabs, 2k, D]
     err, ref = prod[:, :k], prod[:, k:].sum(0)
     del w2, prod
+    ref_sq = None
+    if coef_t is not None:
+        # Per sampled row m, x_m = ||ref_m||^2 and y_m = s_m^2 coef_m^2 ||c_t_m||^2 (both times
+        # the scale): sum x and sum y are unbiased for ||dE||^2 and T. The regression slope of
+        # x on y over the sample weights the control variate (1 where the rest of dE is
+        # independent of the target term, less where it is not).
+        tsq = target_term_sq(c, t_s, coef_t, n_valid)  # [N]
+        x, y = ref.square().sum(1), tsq.index_select(0, pos) * ok.square()  # [k], [k]
+        xc, yc = x - x.mean(), y - y.mean()
+        lam = (xc * yc).sum() / (yc * yc).sum().clamp(min=1e-30)
+        ref_sq = x.sum() - lam.clamp(min=0) * (y.sum() - tsq.sum())
     n_slabs = err.shape[0]
     fo = None
     if gx is not None:
@@ -201,11 +226,11 @@ def slab_errors(
         )  # [k, n_slabs]
         fo = (per_slab.T / V)[:, :, None] * gx[None]
     if vscore is None:
-        return SlabErrors(err, ref, fo)
+        return SlabErrors(err, ref, fo, ref_sq=ref_sq)
     dc_err, dc_err_fo = dc_error_terms(code, n_valid, es, scale, dz, w, S, x, vp, vscore, BLOCK_V, width)
     del dz, w, x
     dc_ref = dc_norm_estimate(e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap)
-    return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref)
+    return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref, ref_sq)
 
 
 def dc_error_terms(
@@ -396,7 +421,8 @@ def dense_slab_flags(
     if errors is None:
         return dense.to(torch.int8), off
     sparse = (~dense).float()
-    bound = slab_error * errors.ref.norm()
+    ref_sq = errors.ref.square().sum() if errors.ref_sq is None else errors.ref_sq
+    bound = slab_error * ref_sq.clamp(min=0).sqrt()
     tol_c = slab_error if slab_error_dc is None else slab_error_dc
     bound_c = None if errors.dc_ref is None else tol_c**2 * errors.dc_ref.clamp(min=0)
 

@@ -232,7 +232,7 @@ def sparse_backward(
             # (dC's estimates only where dC is wanted.)
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
-                BN, BV, tps * BV, cm=cm, vscore=vscore if dc_rule else None,
+                BN, BV, tps * BV, cm=cm, vscore=vscore if dc_rule else None, coef_t=coef,
             )  # fmt: skip
         dense, flag = dense_slab_flags(
             code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc

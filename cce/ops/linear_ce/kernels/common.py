@@ -267,6 +267,46 @@ def target_logits(
     )  # fmt: skip
 
 
+@triton.jit
+def _target_term_sq_kernel(
+    C,  # [V, D] classifier
+    Tgt,  # [N] target id of each sorted position
+    Coef,  # [N] fp32 target-entry coefficient of each sorted position
+    NValid,  # [1] int32: positions from here on are ignored rows
+    Out,  # [N] fp32
+    N, D, stride_c,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Out[i] = coef_i^2 ||c_{t_i}||^2 in fp32 (the squared norm of row i's target term in dE);
+    0 past the valid rows."""
+    n_valid = tl.load(NValid)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = offs_n < n_valid
+    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=0).to(tl.int64)
+    coef = tl.load(Coef + offs_n, mask=row_mask, other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)  # [BLOCK_N, BLOCK_D]
+    for d0 in range(0, D, BLOCK_D):
+        m = row_mask[:, None] & ((d0 + offs_d) < D)[None, :]
+        c = tl.load(C + tgt[:, None] * stride_c + (d0 + offs_d)[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += c * c
+    sq = tl.sum(acc, axis=1) * coef * coef
+    tl.store(Out + offs_n, tl.where(row_mask, sq, 0.0), mask=offs_n < N)
+
+
+def target_term_sq(c, tgt, coef, n_valid) -> torch.Tensor:
+    """fp32 [N]: coef_i^2 ||c_{t_i}||^2 per sorted row (``coef`` fp32 [N], the target entry's
+    coefficient in dZ; 0 past n_valid): the squared norms of the target terms of dE's rows."""
+    N, D = tgt.numel(), c.shape[1]
+    out = torch.empty(N, dtype=torch.float32, device=c.device)
+    if N:
+        _target_term_sq_kernel[(triton.cdiv(N, TARGET_BLOCK_N),)](
+            C=c, Tgt=tgt, Coef=coef, NValid=n_valid, Out=out, N=N, D=D, stride_c=c.stride(0),
+            BLOCK_N=TARGET_BLOCK_N, BLOCK_D=TARGET_BLOCK_D,
+        )  # fmt: skip
+    return out
+
+
 def add_target_lo(e2d, c, erow, tgt, lo, dE, dC, chunk: int = 8192) -> None:
     """Adds the target entries' rounding remainders in fp32 (see dz.py): dE_i += lo_i c_t,
     dC_t += lo_i e_i (rows in the sorted order; lo is 0 at ignored rows)."""
