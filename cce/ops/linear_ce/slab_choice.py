@@ -209,15 +209,15 @@ def slab_errors(
     del w2, prod
     ref_sq = None
     if coef_t is not None:
-        # Per sampled row m, x_m = ||ref_m||^2 and y_m = s_m^2 coef_m^2 ||c_t_m||^2 (both times
-        # the scale): sum x and sum y are unbiased for ||dE||^2 and T. The regression slope of
-        # x on y over the sample weights the control variate (1 where the rest of dE is
+        # Per sampled row m, r_m = ||ref_m||^2 and y_m = s_m^2 coef_m^2 ||c_t_m||^2 (both times
+        # the scale): sum r and sum y are unbiased for ||dE||^2 and T. The regression slope of
+        # r on y over the sample weights the control variate (1 where the rest of dE is
         # independent of the target term, less where it is not).
         tsq = target_term_sq(c, t_s, coef_t, n_valid)  # [N]
-        x, y = ref.square().sum(1), tsq.index_select(0, pos) * ok.square()  # [k], [k]
-        xc, yc = x - x.mean(), y - y.mean()
-        lam = (xc * yc).sum() / (yc * yc).sum().clamp(min=1e-30)
-        ref_sq = x.sum() - lam.clamp(min=0) * (y.sum() - tsq.sum())
+        rm, ym = ref.square().sum(1), tsq.index_select(0, pos) * ok.square()  # [k], [k]
+        rc, yc = rm - rm.mean(), ym - ym.mean()
+        lam = (rc * yc).sum() / (yc * yc).sum().clamp(min=1e-30)
+        ref_sq = rm.sum() - lam.clamp(min=0) * (ym.sum() - tsq.sum())
     n_slabs = err.shape[0]
     fo = None
     if gx is not None:
