@@ -64,11 +64,7 @@ def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
 
 def tile_sizes(V: int, BLOCK_V: int, device: torch.device) -> torch.Tensor:
     """fp32 [n_tiles]: the classes in each vocabulary tile (BLOCK_V, the last what is left)."""
-    nt = triton.cdiv(V, BLOCK_V)
-    out = torch.full((nt,), float(BLOCK_V), dtype=torch.float32, device=device)
-    if nt:
-        out[-1] = float(V - BLOCK_V * (nt - 1))  # two ops (host time of a step at small N)
-    return out
+    return (V - BLOCK_V * torch.arange(triton.cdiv(V, BLOCK_V), device=device)).clamp(max=BLOCK_V).float()
 
 
 def precision(dtype: torch.dtype) -> str:
