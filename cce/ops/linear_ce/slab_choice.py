@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .kernels.common import de_norm_sq, inverse_permutation, mm_f32, tile_sizes
+from .kernels.common import inverse_permutation, mm_f32, target_term_sq, tile_sizes
 from .kernels.dense_slabs import slab_products
 from .kernels.dz import class_sample_dz
 from .kernels.tile_stats import decode_tile_mass
@@ -58,7 +58,7 @@ class SlabErrors(NamedTuple):
     or None, each slab's squared dC error estimated (without / with the first-order terms);
     dc_ref: fp32 [] or None, ||dC||^2 estimated (dc_error_terms). ref_sq: fp32 [] or None,
     ||dE||^2 estimated with the target terms summed exactly over all rows (slab_errors'
-    ``coef_t``, kernels.common.de_norm_sq); None: ||ref||^2 is the estimate.
+    ``coef_t``); None: ||ref||^2 is the estimate.
     """
 
     err: torch.Tensor
@@ -209,9 +209,15 @@ def slab_errors(
     del w2, prod
     ref_sq = None
     if coef_t is not None:
-        # The target terms as a control variate, weighted by the sample's regression slope (1
-        # where the rest of dE is independent of the target term, less where it is not).
-        ref_sq = de_norm_sq(c, t_s, coef_t, n_valid, ref, pos, ok)[0]
+        # Per sampled row m, r_m = ||ref_m||^2 and y_m = s_m^2 coef_m^2 ||c_t_m||^2 (both times
+        # the scale): sum r and sum y are unbiased for ||dE||^2 and T. The regression slope of
+        # r on y over the sample weights the control variate (1 where the rest of dE is
+        # independent of the target term, less where it is not).
+        tsq = target_term_sq(c, t_s, coef_t, n_valid)  # [N]
+        rm, ym = ref.square().sum(1), tsq.index_select(0, pos) * ok.square()  # [k], [k]
+        rc, yc = rm - rm.mean(), ym - ym.mean()
+        lam = (rc * yc).sum() / (yc * yc).sum().clamp(min=1e-30)
+        ref_sq = rm.sum() - lam.clamp(min=0) * (ym.sum() - tsq.sum())
     n_slabs = err.shape[0]
     fo = None
     if gx is not None:
