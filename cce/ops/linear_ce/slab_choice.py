@@ -149,13 +149,16 @@ def slab_errors(
 
     With ``coef_t`` (fp32 [N], every sorted row's target coefficient (alpha p_t - beta)
     softcap', 0 past n_valid) also ref_sq, ||dE||^2 estimated with the target terms as a
-    control variate: T + sum_m (||ref_m||^2 - s_m^2 coef_m^2 ||c_t_m||^2), T = sum_i coef_i^2
-    ||c_t_i||^2 over all rows (exact, O(N D)). Unbiased as ||ref||^2 is, and without the
-    target terms' spread from row to row: under vocabulary parallelism only the rows whose
-    target lies in the rank's block have one, and ||ref|| alone then erred by up to 15% on 32
-    sampled rows (random data, a half of llama3-8b's head, docs/benchmarks.md), flipping the
-    rule's decision where the corrections' error sits near the bound. Exact when every row is
-    sampled.
+    control variate: sum_m ||ref_m||^2 - lam (sum_m s_m^2 coef_m^2 ||c_t_m||^2 - T), with
+    T = sum_i coef_i^2 ||c_t_i||^2 over all rows (exact, O(N D)) and lam >= 0 the sampled
+    rows' regression slope of the first terms on the second (unbiased for a fixed lam; the
+    slope taken from the same rows adds a bias of order 1 / k). It removes the target terms'
+    spread from row to row: under vocabulary parallelism only the rows whose target lies in
+    the rank's block have one, and ||ref|| alone then erred by up to 15% on 32 sampled rows
+    (random data, a half of llama3-8b's head, docs/benchmarks.md), flipping the rule's
+    decision where the corrections' error sits near the bound. The slope, not 1: on zipf-like
+    data the rest of a row's gradient is correlated with its target term, and lam = 1 erred
+    more there than ||ref|| alone. Exact when every row is sampled.
     """
     N, nt = code.shape
     V, D = c.shape
