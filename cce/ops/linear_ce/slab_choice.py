@@ -26,10 +26,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .kernels.common import inverse_permutation, mm_f32, target_term_sq, tile_sizes
+from .kernels.common import de_norm_sq, inverse_permutation, mm_f32, tile_sizes
 from .kernels.dense_slabs import slab_products
 from .kernels.dz import class_sample_dz
-from .kernels.tile_stats import decode_tile_mass
+from .kernels.slab_rule import RULE_KERNEL_SLABS, row_masses, slab_flags, systematic_sample
+from .kernels.tile_stats import STATS_STEPS, decode_tile_mass
 
 # Rows sampled by slab_errors. Their weighted error estimates the whole batch's; rows are drawn
 # in proportion to their skipped mass (plus a uniform share), since on hidden states of a model
@@ -58,7 +59,7 @@ class SlabErrors(NamedTuple):
     or None, each slab's squared dC error estimated (without / with the first-order terms);
     dc_ref: fp32 [] or None, ||dC||^2 estimated (dc_error_terms). ref_sq: fp32 [] or None,
     ||dE||^2 estimated with the target terms summed exactly over all rows (slab_errors'
-    ``coef_t``); None: ||ref||^2 is the estimate.
+    ``coef_t``, kernels.common.de_norm_sq); None: ||ref||^2 is the estimate.
     """
 
     err: torch.Tensor
@@ -87,23 +88,9 @@ def sample_rows(
     dev = code.device
     if N <= k:
         return torch.arange(N, device=dev), torch.ones(N, dtype=torch.float32, device=dev)
-    m = torch.empty(N, dtype=torch.float32, device=dev)
-    for s in range(0, N, _MASS_ROWS):
-        t = min(s + _MASS_ROWS, N)
-        m[s:t] = decode_tile_mass(code[s:t]).sum(1)
-    m.mul_(alpha_s.abs())
-    nv = n_valid.double().clamp(min=1)
-    uni = (torch.arange(N, device=dev) < n_valid.long()).double() / nv
-    mass = m.double()
-    total = mass.sum()
-    heavy = torch.where(total > 0, mass / total.clamp(min=1e-300), uni)
-    pi = UNIFORM_SHARE * uni + (1.0 - UNIFORM_SHARE) * heavy
-    cdf = pi.cumsum(0)
-    u = (torch.arange(k, device=dev, dtype=torch.float64) + 0.5) / k * cdf[-1]
-    pos = torch.searchsorted(cdf, u, right=True).clamp(max=N - 1)
-    p = pi.index_select(0, pos)
-    scale = torch.where(p > 0, (k * p).clamp(min=1e-300).rsqrt(), 0.0).float()
-    return pos, scale
+    # Two launches (kernels/slab_rule.py): host time of a step at small N.
+    m = row_masses(code, alpha_s, STATS_STEPS)
+    return systematic_sample(m, n_valid, k, rows=True, share=UNIFORM_SHARE)
 
 
 def slab_errors(
@@ -212,15 +199,9 @@ def slab_errors(
     del w2, prod
     ref_sq = None
     if coef_t is not None:
-        # Per sampled row m, r_m = ||ref_m||^2 and y_m = s_m^2 coef_m^2 ||c_t_m||^2 (both times
-        # the scale): sum r and sum y are unbiased for ||dE||^2 and T. The regression slope of
-        # r on y over the sample weights the control variate (1 where the rest of dE is
-        # independent of the target term, less where it is not).
-        tsq = target_term_sq(c, t_s, coef_t, n_valid)  # [N]
-        rm, ym = ref.square().sum(1), tsq.index_select(0, pos) * ok.square()  # [k], [k]
-        rc, yc = rm - rm.mean(), ym - ym.mean()
-        lam = (rc * yc).sum() / (yc * yc).sum().clamp(min=1e-30)
-        ref_sq = rm.sum() - lam.clamp(min=0) * (ym.sum() - tsq.sum())
+        # The target terms as a control variate, weighted by the sample's regression slope (1
+        # where the rest of dE is independent of the target term, less where it is not).
+        ref_sq = de_norm_sq(c, t_s, coef_t, n_valid, ref, pos, ok)[0]
     n_slabs = err.shape[0]
     fo = None
     if gx is not None:
@@ -356,15 +337,11 @@ def dc_norm_estimate(
         # target of many rows is taken with a weight near 1 (else it is a rare, heavily weighted
         # spike), the others evenly.
         # (index_add_, not bincount, which reads its input's maximum on the host; sums of
-        # ones in float64 are exact in any order)
-        cnt = torch.zeros(V, dtype=torch.float64, device=dev).index_add_(0, t_s.long(), valid.double())
-        cnt = cnt.index_select(0, vp[h:])
-        size = cnt + n_valid.double().clamp(min=1) / V
-        cdf = size.cumsum(0)
-        u = (torch.arange(m, device=dev, dtype=torch.float64) + 0.5) / m * cdf[-1]
-        j = torch.searchsorted(cdf, u, right=True).clamp(max=V - h - 1)
+        # ones in fp32 are exact in any order below 2^24 rows)
+        cnt = torch.zeros(V, dtype=f32, device=dev).index_add_(0, t_s.long(), valid.float())
+        j, wt_tail = systematic_sample(cnt.index_select(0, vp[h:]), n_valid, m, rows=False, add=1.0 / V)
         posn = torch.cat([posn, h + j])
-        wt[h:] = (cdf[-1] / (m * size.index_select(0, j))).float()
+        wt[h:] = wt_tail
     cls = vp.index_select(0, posn)
     Cs = c.index_select(0, cls)
     bs = None if bias is None else bias.float().index_select(0, cls)
@@ -395,6 +372,7 @@ def dense_slab_flags(
     first_order_cost: float | None = None,
     *,
     slab_error_dc: float | None = None,
+    max_kernel_slabs: int = RULE_KERNEL_SLABS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dense, first_order) on the device, no host synchronisation: dense int8 [n_slabs], 1 for
     the slabs of ``tiles_per_slab`` vocabulary tiles (in the sorted order) that the sparse
@@ -411,10 +389,30 @@ def dense_slab_flags(
     first-order terms' cost in dense slabs), the same rules on err - fo and dc_err_fo as well;
     the first-order terms are applied, with those rules' slabs, where they and their slabs cost
     less than the first rules' slabs.
+
+    Up to ``max_kernel_slabs`` slabs the rule runs in two launches (kernels/slab_rule.py: on the
+    slabs' Gram matrices), past it as torch ops; both give the same flags.
     """
     nt = code.shape[1]
     dev = code.device
     n_slabs = -(-nt // tiles_per_slab)
+    tol_c = slab_error if slab_error_dc is None else slab_error_dc
+    if n_slabs <= max_kernel_slabs:
+        # The same rule in two launches (kernels/slab_rule.py): host time of a step at small N
+        # or on one rank's block of the vocabulary.
+        err = ref_sq = fo = cost = dc = dc_fo = dc_ref = None
+        if errors is not None:
+            if slab_error < 1:
+                err = errors.err
+                ref_sq = errors.ref.square().sum() if errors.ref_sq is None else errors.ref_sq
+            if errors.fo is not None and first_order_cost is not None:
+                fo, cost = errors.fo, first_order_cost
+            if errors.dc_err is not None and errors.dc_ref is not None and tol_c < 1:
+                dc, dc_fo, dc_ref = errors.dc_err, errors.dc_err_fo, errors.dc_ref
+        return slab_flags(
+            keep, n_valid, BLOCK_N, tiles_per_slab, dense_kept, slab_error, err, ref_sq, fo, cost, dc, dc_fo,
+            dc_ref, tol_c,
+        )  # fmt: skip
     pad = n_slabs * tiles_per_slab - nt
     blocks = ((n_valid.float() + (BLOCK_N - 1)) // BLOCK_N).clamp(min=1)
     tiles = F.pad(torch.ones(nt, device=dev), (0, pad)).view(n_slabs, -1).sum(1)
@@ -426,7 +424,6 @@ def dense_slab_flags(
     sparse = (~dense).float()
     ref_sq = errors.ref.square().sum() if errors.ref_sq is None else errors.ref_sq
     bound = slab_error * ref_sq.clamp(min=0).sqrt()
-    tol_c = slab_error if slab_error_dc is None else slab_error_dc
     bound_c = None if errors.dc_ref is None else tol_c**2 * errors.dc_ref.clamp(min=0)
 
     # Both variants (without and with the first-order terms) go through one batched rule: the

@@ -63,8 +63,12 @@ def stats_blocks(dtype: torch.dtype) -> tuple[int, int]:
 
 
 def tile_sizes(V: int, BLOCK_V: int, device: torch.device) -> torch.Tensor:
-    """fp32 [n_tiles]: the classes in each vocabulary tile (BLOCK_V, the last what is left)."""
-    return (V - BLOCK_V * torch.arange(triton.cdiv(V, BLOCK_V), device=device)).clamp(max=BLOCK_V).float()
+    """fp32 [n_tiles]: the classes in each vocabulary tile (BLOCK_V, the last what is left).
+
+    Two device ops (V - j BLOCK_V for each tile j, clamped): no value is written from the
+    host, so the call is capturable in a CUDA graph and does not synchronise."""
+    nt = triton.cdiv(V, BLOCK_V)
+    return torch.arange(V, V - nt * BLOCK_V, -BLOCK_V, dtype=torch.float32, device=device).clamp_(max=BLOCK_V)
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -294,16 +298,71 @@ def _target_term_sq_kernel(
     tl.store(Out + offs_n, tl.where(row_mask, sq, 0.0), mask=offs_n < N)
 
 
-def target_term_sq(c, tgt, coef, n_valid) -> torch.Tensor:
-    """fp32 [N]: coef_i^2 ||c_{t_i}||^2 per sorted row (``coef`` fp32 [N], the target entry's
-    coefficient in dZ; 0 past n_valid): the squared norms of the target terms of dE's rows."""
+# ||dE||^2 from k sampled rows and the target terms of all N rows (one program):
+#
+#   r_m = ||Ref[m]||^2,  y_m = ok_m^2 Tsq[pos_m]  (Ref's rows and ok carry the sampling scale s_m,
+#                                                  so sum r and sum y are unbiased for ||dE||^2
+#                                                  and for T = sum_i Tsq[i])
+#   lam = max(0, sum (r - mean r)(y - mean y) / sum (y - mean y)^2)   (regression slope)
+#   Out = sum r - lam (sum y - T)
+#
+# With every row sampled once (ok = 1), sum y = T and Out = sum r exactly.
+@triton.jit
+def _de_norm_sq_kernel(
+    Ref,  # [k, D] fp32 sampled rows' exact dE, times their scale
+    Tsq,  # [N] fp32 coef_i^2 ||c_{t_i}||^2
+    Pos,  # [k] sorted position of each sampled row
+    Ok,  # [k] fp32 scale of each sampled row (0 where it is past the valid rows)
+    Out,  # [1] fp32
+    N, k, D, stride_ref,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    offs_r = tl.arange(0, BLOCK_R)
+    acc_t = tl.zeros((BLOCK_R,), dtype=tl.float32)  # [BLOCK_R]
+    for r0 in range(0, N, BLOCK_R):
+        acc_t += tl.load(Tsq + r0 + offs_r, mask=(r0 + offs_r) < N, other=0.0)
+    total_t = tl.sum(acc_t, axis=0)
+    offs_k = tl.arange(0, BLOCK_K)
+    km = offs_k < k
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_K, BLOCK_D), dtype=tl.float32)  # [BLOCK_K, BLOCK_D]
+    for d0 in range(0, D, BLOCK_D):
+        m = km[:, None] & ((d0 + offs_d) < D)[None, :]
+        x = tl.load(
+            Ref + offs_k.to(tl.int64)[:, None] * stride_ref + (d0 + offs_d)[None, :], mask=m, other=0.0
+        )
+        acc += x * x
+    r = tl.sum(acc, axis=1)  # [BLOCK_K], 0 past k
+    pos = tl.load(Pos + offs_k, mask=km, other=0).to(tl.int64)
+    ok = tl.load(Ok + offs_k, mask=km, other=0.0)
+    y = tl.load(Tsq + pos, mask=km, other=0.0) * ok * ok
+    rc = tl.where(km, r - tl.sum(r, axis=0) / k, 0.0)
+    yc = tl.where(km, y - tl.sum(y, axis=0) / k, 0.0)
+    lam = tl.sum(rc * yc, axis=0) / tl.maximum(tl.sum(yc * yc, axis=0), 1e-30)
+    lam = tl.maximum(lam, 0.0)
+    tl.store(Out, tl.sum(r, axis=0) - lam * (tl.sum(y, axis=0) - total_t))
+
+
+def de_norm_sq(c, tgt, coef, n_valid, ref, pos, ok) -> torch.Tensor:
+    """fp32 [1]: ||dE||^2 estimated from the k sampled rows ``ref`` (fp32 [k, D], each times its
+    scale; ``pos`` their sorted positions, ``ok`` their scales, 0 past n_valid) with every row's
+    target term (``coef`` fp32 [N]: (alpha p_t - beta) softcap' per sorted row, 0 past n_valid;
+    ``tgt`` the sorted targets) summed exactly as a control variate (the comment above
+    _de_norm_sq_kernel). Two launches, no host synchronisation."""
     N, D = tgt.numel(), c.shape[1]
-    out = torch.empty(N, dtype=torch.float32, device=c.device)
+    k = pos.numel()
+    tsq = torch.empty(N, dtype=torch.float32, device=c.device)
+    out = torch.empty(1, dtype=torch.float32, device=c.device)
     if N:
         _target_term_sq_kernel[(triton.cdiv(N, TARGET_BLOCK_N),)](
-            C=c, Tgt=tgt, Coef=coef, NValid=n_valid, Out=out, N=N, D=D, stride_c=c.stride(0),
+            C=c, Tgt=tgt, Coef=coef, NValid=n_valid, Out=tsq, N=N, D=D, stride_c=c.stride(0),
             BLOCK_N=TARGET_BLOCK_N, BLOCK_D=TARGET_BLOCK_D,
         )  # fmt: skip
+    ref = ref.contiguous()
+    _de_norm_sq_kernel[(1,)](
+        Ref=ref, Tsq=tsq, Pos=pos, Ok=ok, Out=out, N=N, k=k, D=D, stride_ref=ref.stride(0),
+        BLOCK_K=max(16, triton.next_power_of_2(k)), BLOCK_D=128, BLOCK_R=1024,
+    )  # fmt: skip
     return out
 
 

@@ -102,8 +102,7 @@ def encode_tile_stats(
 
 def decode_tile_mass(code: torch.Tensor) -> torch.Tensor:
     """The masses S of encode_tile_stats' codes, fp32 (0 for code 255)."""
-    x = code.float()
-    return torch.where(x < 255, torch.exp(-x / STATS_STEPS), 0.0)
+    return torch.where(code < 255, torch.exp(code * (-1.0 / STATS_STEPS)), 0.0)
 
 
 @triton.jit

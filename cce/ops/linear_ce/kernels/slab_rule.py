@@ -1,0 +1,373 @@
+"""The dense-slab rule's decision in two launches (cce/ops/linear_ce/slab_choice.py).
+
+slab_choice.dense_slab_flags decides which slabs of the sorted vocabulary the sparse backward
+does densely from a few dozen small tensors. As torch ops that was about 70 launches per step,
+host time that a step at small N or on one rank's block of the vocabulary does not hide behind
+its kernels (docs/benchmarks.md, issue 16). Here:
+
+1. _slab_gram_kernel: the Gram matrices of the slabs' sampled errors, G[s, s'] = <err_s, err_s'>
+   and, with the first-order terms, D[s, s'] = <err_s - fo_s, err_s' - fo_s'> (fp32, IEEE
+   products; partial sums over chunks of the k x D entries, one program per chunk).
+2. _slab_flags_kernel: one program that sums the partials and applies the rule.
+
+The greedy rule on Gram matrices. Slabs are taken in order of decreasing ||err_s|| (rank r_s;
+ties to the lower index) and made dense until the vector sum of the others' errors is at most
+``bound`` = slab_error ||dE||. With A the Gram matrix restricted to the sparse slabs (rows and
+columns of dense ones zeroed: dense slabs are exact),
+
+    rem(m)^2 = ||sum_{s: r_s >= m} err_s||^2 = sum_{s, s'} A[s, s'] [min(r_s, r_s') >= m],
+
+so the first m with rem(m)^2 <= bound^2 (rem(n) = 0) is found on the [n, n] matrix alone,
+and the chosen slabs are those with r_s < m. dC's rule is the same on squared errors that add
+(dc_err >= 0, no cross terms). The sums of Gram entries are sums of the same products as the
+vector norms (no cancellation beyond that of the vector sum itself), so the decisions equal
+the float64 rule's up to fp32 rounding at the bound (tests/ops/linear_ce/test_dense_slabs.py).
+
+The single program holds [BLOCK_S, BLOCK_S] matrices in registers: up to RULE_KERNEL_SLABS slabs
+(BLOCK_S 64). More slabs mean N past ~32k rows at V = 256k (slab_tiles: 256 MB slabs), where
+the step's kernels take far longer than its host work; slab_choice keeps the torch ops there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...._dispatch import interpreting
+from .common import device_context
+
+# The most slabs the one-program decision holds in registers.
+RULE_KERNEL_SLABS = 64
+# Partial Gram sums: about this many programs over the k x D entries.
+_GRAM_PROGRAMS = 64
+
+
+@triton.heuristics({"HAS_FO": lambda a: a["Fo"] is not None})
+@triton.jit
+def _slab_gram_kernel(
+    Err,  # [n_slabs, L] fp32 (rows of stride stride_err): each slab's sampled errors, flattened
+    Fo,  # [n_slabs, L] fp32 or None: the first-order terms' share of each slab
+    Part,  # [n_programs, 2, BLOCK_S, BLOCK_S] fp32: this program's partial Gram matrices
+    n_slabs, L, stride_err, stride_fo, chunk,
+    HAS_FO: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr,
+):  # fmt: skip
+    """Part[p, 0] = sum over l in this program's chunk of err[s, l] err[s', l]; with Fo, Part[p, 1]
+    the same for d = err - fo (formed in registers: no cancellation of separate Gram terms)."""
+    pid = tl.program_id(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < n_slabs
+    row_e = offs_s.to(tl.int64)[:, None] * stride_err
+    acc = tl.zeros((BLOCK_S, BLOCK_S), dtype=tl.float32)  # [BLOCK_S, BLOCK_S]
+    acc_d = tl.zeros((BLOCK_S, BLOCK_S), dtype=tl.float32)
+    l0 = pid * chunk
+    for l in range(l0, tl.minimum(l0 + chunk, L), BLOCK_L):
+        offs_l = l + tl.arange(0, BLOCK_L)
+        m = smask[:, None] & (offs_l < L)[None, :]
+        x = tl.load(Err + row_e + offs_l[None, :], mask=m, other=0.0)  # [BLOCK_S, BLOCK_L]
+        acc += tl.dot(x, tl.trans(x), input_precision="ieee")
+        if HAS_FO:
+            f = tl.load(Fo + offs_s.to(tl.int64)[:, None] * stride_fo + offs_l[None, :], mask=m, other=0.0)
+            d = x - f
+            acc_d += tl.dot(d, tl.trans(d), input_precision="ieee")
+    out = Part + pid.to(tl.int64) * 2 * BLOCK_S * BLOCK_S + offs_s[:, None] * BLOCK_S + offs_s[None, :]
+    tl.store(out, acc)
+    if HAS_FO:
+        tl.store(out + BLOCK_S * BLOCK_S, acc_d)
+
+
+@triton.jit
+def _ranks(x, offs_s, smask):
+    """Rank of each valid entry of x [BLOCK_S] in decreasing order (ties to the lower index), as
+    (row vector [BLOCK_S] indexed along axis 0, the same along axis 1)."""
+    eye = offs_s[:, None] == offs_s[None, :]
+    x_col = tl.sum(tl.where(eye, x[:, None], 0.0), axis=0)  # x indexed along axis 1
+    # before[s, s']: s' comes before s in the order
+    before = (x_col[None, :] > x[:, None]) | (
+        (x_col[None, :] == x[:, None]) & (offs_s[None, :] < offs_s[:, None])
+    )
+    before = before & smask[None, :]
+    r = tl.sum(before.to(tl.int32), axis=1)  # [BLOCK_S]
+    r = tl.where(smask, r, 1 << 20)  # past every rank
+    r_col = tl.sum(tl.where(eye, r[:, None], 0), axis=0)
+    return r, r_col
+
+
+@triton.jit
+def _greedy_gram(A, bound2, offs_s, smask, n_slabs):
+    """bool [BLOCK_S]: the slabs of largest A[s, s] (squared norms) as few as leave the sum of A
+    over the pairs of the others at most bound2 (the module docstring)."""
+    eye = offs_s[:, None] == offs_s[None, :]
+    r, r_col = _ranks(tl.sum(tl.where(eye, A, 0.0), axis=1), offs_s, smask)
+    minr = tl.minimum(r[:, None], r_col[None, :])  # [BLOCK_S, BLOCK_S]
+    mstar = tl.full((), 0, tl.int32) + n_slabs  # (a tensor: n_slabs may be specialised to 1)
+    for i in range(0, n_slabs + 1):
+        m = n_slabs - i
+        rem2 = tl.sum(tl.sum(tl.where(minr >= m, A, 0.0), axis=1), axis=0)
+        mstar = tl.where(rem2 <= bound2, m, mstar)
+    return (r < mstar) & smask
+
+
+@triton.jit
+def _greedy_sq(x, bound2, offs_s, smask, n_slabs):
+    """bool [BLOCK_S]: the slabs of largest x[s] (squared errors that add) as few as leave the
+    others' sum at most bound2."""
+    r, _ = _ranks(x, offs_s, smask)
+    mstar = tl.full((), 0, tl.int32) + n_slabs
+    for i in range(0, n_slabs + 1):
+        m = n_slabs - i
+        rem2 = tl.sum(tl.where(r >= m, x, 0.0), axis=0)
+        mstar = tl.where(rem2 <= bound2, m, mstar)
+    return (r < mstar) & smask
+
+
+@triton.heuristics(
+    {
+        "HAS_DE": lambda a: a["Part"] is not None,
+        "HAS_DC": lambda a: a["DcErr"] is not None,
+        "HAS_DC_FO": lambda a: a["DcErrFo"] is not None,
+    }
+)
+@triton.jit
+def _slab_flags_kernel(
+    Kept,  # [nt] int32: kept (token block, tile) pairs per tile
+    NValid, Part, RefSq, DcErr, DcErrFo, DcRef,
+    Dense,  # [n_slabs] int8 out
+    Flag,  # [1] int32 out: 1 where the first-order terms apply
+    nt, n_slabs, tps, n_parts, dense_kept, slab_error, tol_c, fo_cost,
+    BLOCK_N: tl.constexpr, WITH_FO: tl.constexpr, HAS_DE: tl.constexpr, HAS_DC: tl.constexpr,
+    HAS_DC_FO: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """The rule of slab_choice.dense_slab_flags in one program (the module docstring)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < n_slabs
+    # Slabs whose tiles the filter mostly keeps: dense (a GEMM beats recomputing tiles one by one).
+    offs_t = tl.arange(0, BLOCK_T)
+    kept = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    tiles = tl.zeros((BLOCK_S,), dtype=tl.float32)
+    for t0 in range(0, tps, BLOCK_T):
+        tile = offs_s[:, None] * tps + t0 + offs_t[None, :]  # [BLOCK_S, BLOCK_T]
+        tm = smask[:, None] & ((t0 + offs_t) < tps)[None, :] & (tile < nt)
+        kept += tl.sum(tl.load(Kept + tile, mask=tm, other=0).to(tl.float32), axis=1)
+        tiles += tl.sum(tm.to(tl.float32), axis=1)
+    n_valid = tl.load(NValid).to(tl.float32)
+    blocks = tl.maximum(tl.floor((n_valid + (BLOCK_N - 1)) / BLOCK_N), 1.0)
+    dense = (kept / tl.maximum(blocks * tiles, 1.0) >= dense_kept) & smask
+    sp = tl.where(dense | ~smask, 0.0, 1.0)
+    spp = (
+        sp[:, None] * tl.sum(tl.where(offs_s[:, None] == offs_s[None, :], sp[:, None], 0.0), axis=0)[None, :]
+    )
+    out0 = offs_s < 0
+    out1 = offs_s < 0
+    if HAS_DE:
+        G = tl.zeros((BLOCK_S, BLOCK_S), dtype=tl.float32)
+        Gd = tl.zeros((BLOCK_S, BLOCK_S), dtype=tl.float32)
+        idx = offs_s[:, None] * BLOCK_S + offs_s[None, :]
+        for p in range(0, n_parts):
+            G += tl.load(Part + p * 2 * BLOCK_S * BLOCK_S + idx)
+            if WITH_FO:
+                Gd += tl.load(Part + p * 2 * BLOCK_S * BLOCK_S + BLOCK_S * BLOCK_S + idx)
+        bound = slab_error * tl.sqrt(tl.maximum(tl.load(RefSq), 0.0))
+        out0 = _greedy_gram(G * spp, bound * bound, offs_s, smask, n_slabs)
+        if WITH_FO:
+            out1 = _greedy_gram(Gd * spp, bound * bound, offs_s, smask, n_slabs)
+    if HAS_DC:
+        bound_c = tol_c * tol_c * tl.maximum(tl.load(DcRef), 0.0)
+        x = tl.maximum(tl.load(DcErr + offs_s, mask=smask, other=0.0), 0.0) * sp
+        out0 = out0 | _greedy_sq(x, bound_c, offs_s, smask, n_slabs)
+        if WITH_FO:
+            if HAS_DC_FO:
+                x = tl.maximum(tl.load(DcErrFo + offs_s, mask=smask, other=0.0), 0.0) * sp
+            out1 = out1 | _greedy_sq(x, bound_c, offs_s, smask, n_slabs)
+    if WITH_FO:
+        n0 = tl.sum(out0.to(tl.float32), axis=0)
+        n1 = tl.sum(out1.to(tl.float32), axis=0)
+        use = n1 + fo_cost < n0
+        res = dense | tl.where(use, out1, out0)
+        tl.store(Flag, use.to(tl.int32))
+    else:
+        res = dense | out0
+        tl.store(Flag, 0)
+    tl.store(Dense + offs_s, res.to(tl.int8), mask=smask)
+
+
+def slab_flags(
+    keep: torch.Tensor,
+    n_valid: torch.Tensor,
+    BLOCK_N: int,
+    tiles_per_slab: int,
+    dense_kept: float,
+    slab_error: float,
+    err: torch.Tensor | None,
+    ref_sq: torch.Tensor | None,
+    fo: torch.Tensor | None,
+    first_order_cost: float | None,
+    dc_err: torch.Tensor | None,
+    dc_err_fo: torch.Tensor | None,
+    dc_ref: torch.Tensor | None,
+    tol_c: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dense int8 [n_slabs], first_order int32 [1]) by slab_choice.dense_slab_flags' rule, in
+    two launches (one without ``err``): ``err`` fp32 [n_slabs, k, D] (None: dE's rule off) with
+    ``ref_sq`` fp32 (||dE||^2 estimated); ``fo`` (same shape) and ``first_order_cost`` (both or
+    neither: the first-order variant); ``dc_err`` / ``dc_err_fo`` fp32 [n_slabs] with ``dc_ref``
+    (None: dC's rule off; dc_err_fo None: dc_err for both variants). At most RULE_KERNEL_SLABS
+    slabs."""
+    nt = keep.shape[1]
+    dev = keep.device
+    n_slabs = triton.cdiv(nt, tiles_per_slab)
+    if n_slabs > RULE_KERNEL_SLABS:
+        raise ValueError(f"slab_flags holds at most {RULE_KERNEL_SLABS} slabs, got {n_slabs}")
+    BS = max(16, triton.next_power_of_2(n_slabs))
+    with_fo = fo is not None and first_order_cost is not None
+    dense = torch.empty(n_slabs, dtype=torch.int8, device=dev)
+    flag = torch.empty(1, dtype=torch.int32, device=dev)
+    kept = keep.sum(0, dtype=torch.int32)
+    part = None
+    n_parts = 0
+    with device_context(dev):
+        if err is not None:
+            ev = err.reshape(n_slabs, -1)
+            fv = fo.reshape(n_slabs, -1) if with_fo else None
+            L = ev.shape[1]
+            BL = 16 if interpreting() else 64
+            chunk = BL * max(1, triton.cdiv(triton.cdiv(L, BL), _GRAM_PROGRAMS))
+            n_parts = max(1, triton.cdiv(L, chunk))
+            part = torch.empty((n_parts, 2, BS, BS), dtype=torch.float32, device=dev)
+            _slab_gram_kernel[(n_parts,)](
+                Err=ev, Fo=fv, Part=part, n_slabs=n_slabs, L=L, stride_err=ev.stride(0),
+                stride_fo=0 if fv is None else fv.stride(0), chunk=chunk, BLOCK_S=BS, BLOCK_L=BL,
+                num_warps=4,
+            )  # fmt: skip
+        _slab_flags_kernel[(1,)](
+            Kept=kept, NValid=n_valid, Part=part, RefSq=ref_sq, DcErr=dc_err, DcErrFo=dc_err_fo,
+            DcRef=dc_ref, Dense=dense, Flag=flag, nt=nt, n_slabs=n_slabs, tps=tiles_per_slab,
+            n_parts=n_parts, dense_kept=float(dense_kept), slab_error=float(slab_error),
+            tol_c=float(tol_c), fo_cost=float(first_order_cost or 0.0), BLOCK_N=BLOCK_N,
+            WITH_FO=with_fo, BLOCK_S=BS, BLOCK_T=16, num_warps=4,
+        )  # fmt: skip
+    return dense, flag
+
+
+@triton.jit
+def _row_mass_kernel(
+    Code,  # [N, nt] uint8: encode_tile_stats' codes (255: no mass)
+    Alpha,  # [N] fp32
+    Out,  # [N] fp32: |alpha_i| sum_j S'_ij
+    N, nt, stride_code, STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """Out[i] = |alpha_i| times the row's decoded skipped mass (tile_stats.decode_tile_mass)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = offs_r < N
+    acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)  # [BLOCK_R, BLOCK_T]
+    for t0 in range(0, nt, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        m = rmask[:, None] & (offs_t < nt)[None, :]
+        x = tl.load(
+            Code + offs_r.to(tl.int64)[:, None] * stride_code + offs_t[None, :], mask=m, other=255
+        ).to(tl.float32)
+        acc += tl.where(x < 255.0, tl.exp(-x / STEPS), 0.0)
+    a = tl.abs(tl.load(Alpha + offs_r, mask=rmask, other=0.0))
+    tl.store(Out + offs_r, tl.sum(acc, axis=1) * a, mask=rmask)
+
+
+def row_masses(code: torch.Tensor, alpha: torch.Tensor, steps: float) -> torch.Tensor:
+    """fp32 [N]: |alpha_i| sum_j S'_ij, the decoded skipped masses (``steps`` per nat of the
+    codes, tile_stats.STATS_STEPS) of each row of ``code`` [N, nt] times |alpha|; one launch."""
+    N, nt = code.shape
+    out = torch.empty(N, dtype=torch.float32, device=code.device)
+    if N == 0:
+        return out
+    BR, BT = (16, 16) if interpreting() else (32, 128)
+    with device_context(code.device):
+        _row_mass_kernel[(triton.cdiv(N, BR),)](
+            Code=code, Alpha=alpha, Out=out, N=N, nt=nt, stride_code=code.stride(0), STEPS=steps,
+            BLOCK_R=BR, BLOCK_T=BT,
+        )  # fmt: skip
+    return out
+
+
+# Systematic sampling of k items of M with probabilities pi_i = w_i / W (one program):
+#
+#   ROWS (sample_rows):   w_i = share [i < n_valid] / n + (1 - share) m_i / sum(m)   (n = max(n_valid, 1);
+#                         sum(m) = 0: w_i = [i < n_valid] / n)
+#   classes:              w_i = m_i + n add                                          (dc_norm_estimate)
+#
+#   cdf_i = w_0 + ... + w_i (fp32, in chunks with the carry),  u_j = (j + 1/2) / k cdf_{M-1},
+#   Pos[j] = #{i : cdf_i <= u_j} (torch.searchsorted(cdf, u, right=True)), clamped to M - 1
+#            (a quantile on an item's end may go to either side of it under rounding),
+#   Wt[j] = 1 / sqrt(k pi_Pos[j]) for ROWS (sample_rows' scale), else 1 / (k pi_Pos[j]) (the
+#   inverse of the expected draws; dc_norm_estimate's weight); 0 where pi is 0.
+@triton.jit
+def _systematic_kernel(
+    Mass, NValid, Pos, Wt, M, k, share, add,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs = tl.arange(0, BLOCK)
+    nv = tl.load(NValid).to(tl.float32)
+    n = tl.maximum(nv, 1.0)
+    msum = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i0 in range(0, M, BLOCK):
+        msum += tl.load(Mass + i0 + offs, mask=(i0 + offs) < M, other=0.0)
+    total = tl.sum(msum, axis=0)
+    if ROWS:
+        a = tl.where(total > 0, share / n, 1.0 / n)
+        b = tl.where(total > 0, (1.0 - share) / tl.maximum(total, 1e-30), 0.0)
+        lim = nv
+    else:
+        a = n * add
+        b = 1.0
+        lim = M * 1.0
+    # W: the same chunked sums as the cdf below, so that u stays below its last value.
+    carry = total * 0.0
+    for i0 in range(0, M, BLOCK):
+        idx = i0 + offs
+        w = tl.where(idx < M, a * (idx < lim) + b * tl.load(Mass + idx, mask=idx < M, other=0.0), 0.0)
+        carry = tl.max(carry + tl.cumsum(w, axis=0), axis=0)
+    W = carry
+    # #{i : cdf_i <= u_j} for every j at once: cdf_i <= u_j  <=>  j >= J_i = ceil(k cdf_i / W - 1/2),
+    # so the counts are the cumulative histogram of J (bin BLOCK_K - 1 > k - 1: items past every
+    # quantile), O(M) work whatever k.
+    hist = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    carry = total * 0.0
+    for i0 in range(0, M, BLOCK):
+        idx = i0 + offs
+        w = tl.where(idx < M, a * (idx < lim) + b * tl.load(Mass + idx, mask=idx < M, other=0.0), 0.0)
+        cdf = carry + tl.cumsum(w, axis=0)  # [BLOCK]
+        J = tl.maximum(tl.ceil(cdf * (k / W) - 0.5), 0.0).to(tl.int32)
+        J = tl.where(idx < M, tl.minimum(J, BLOCK_K - 1), BLOCK_K - 1)
+        hist += tl.histogram(J, BLOCK_K)
+        carry = tl.max(cdf, axis=0)
+    offs_k = tl.arange(0, BLOCK_K)
+    cnt = tl.cumsum(hist, axis=0)  # [BLOCK_K]
+    pos = tl.minimum(cnt, M - 1)
+    kmask = offs_k < k
+    wp = a * (pos < lim) + b * tl.load(Mass + pos, mask=kmask, other=0.0)
+    kp = k * wp / W
+    if ROWS:
+        wt = tl.where(kp > 0, 1.0 / tl.sqrt(tl.maximum(kp, 1e-30)), 0.0)
+    else:
+        wt = tl.where(kp > 0, 1.0 / tl.maximum(kp, 1e-30), 0.0)
+    tl.store(Pos + offs_k, pos.to(tl.int64), mask=kmask)
+    tl.store(Wt + offs_k, wt, mask=kmask)
+
+
+def systematic_sample(
+    mass: torch.Tensor, n_valid: torch.Tensor, k: int, *, rows: bool, share: float = 0.0, add: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pos int64 [k], wt fp32 [k]): k of the M = mass.numel() items drawn by systematic sampling
+    (the comment above _systematic_kernel), deterministic, one launch, no host synchronisation.
+    ``rows``: probabilities share / n_valid on the valid items plus (1 - share) in proportion to
+    ``mass``, and wt = 1 / sqrt(k pi); else in proportion to mass + n_valid ``add``, and
+    wt = 1 / (k pi). M >= 1."""
+    M = mass.numel()
+    pos = torch.empty(k, dtype=torch.int64, device=mass.device)
+    wt = torch.empty(k, dtype=torch.float32, device=mass.device)
+    BLOCK = 256 if interpreting() else 1024
+    with device_context(mass.device):
+        _systematic_kernel[(1,)](
+            Mass=mass, NValid=n_valid, Pos=pos, Wt=wt, M=M, k=k, share=float(share), add=float(add),
+            ROWS=rows, BLOCK=BLOCK, BLOCK_K=max(16, triton.next_power_of_2(k + 1)),
+            num_warps=8,
+        )  # fmt: skip
+    return pos, wt
