@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .kernels.common import de_norm_sq, inverse_permutation, mm_f32, tile_sizes
 from .kernels.dense_slabs import slab_products
 from .kernels.dz import class_sample_dz
-from .kernels.slab_rule import RULE_KERNEL_SLABS, row_masses, slab_flags, systematic_sample
+from .kernels.slab_rule import RULE_KERNEL_SLABS, row_masses, sampled_dz, slab_flags, systematic_sample
 from .kernels.tile_stats import STATS_STEPS, decode_tile_mass
 
 # Rows sampled by slab_errors. Their weighted error estimates the whole batch's; rows are drawn
@@ -149,13 +149,9 @@ def slab_errors(
     """
     N, nt = code.shape
     V, D = c.shape
-    dev = c.device
     pos, scale = sample_rows(code, alpha_s, n_valid, rows)
     k = pos.numel()
     ok = (pos < n_valid.long()).float() * scale
-    a = alpha_s.index_select(0, pos) * ok
-    b = beta_s.index_select(0, pos) * ok
-    t = t_s.index_select(0, pos).long()[:, None]
     vp = vperm.long()
     es = e2d.index_select(0, erow_s.index_select(0, pos))
     z = mm_f32(es, c.T, None)  # [k, V]
@@ -168,32 +164,16 @@ def slab_errors(
         gx = mm_f32(x.to(c.dtype), c, None)  # [k, D]
         if vscore is None:
             x = None
-    if bias is not None:
-        z += bias.float()[None, :]
-    d = None
-    if softcap > 0:
-        th = torch.tanh(z / softcap)
-        z = softcap * th
-        d = 1.0 - th * th
-    dz = torch.exp(z - lse_s.index_select(0, pos)[:, None]).mul_(a[:, None])  # alpha p
-    if d is not None:
-        dz.mul_(d)
-    d_t = d.gather(1, t) if d is not None else 1.0
-    full_t = dz.gather(1, t) - b[:, None] * d_t
-    # Rows [0, k) of w2: the non-target dZ (the corrections' error weights below); rows
-    # [k, 2k): the full dZ (the reference). One slab_products call reads C once for both.
-    w2 = torch.zeros((2 * k, nt * BLOCK_V), dtype=torch.float32, device=dev)
-    w2[k:, :V] = dz.scatter(1, t, full_t).index_select(1, vp)  # sorted positions
-    dz.scatter_(1, t, 0.0)
+    # Rows [0, k) of w2: the non-target dZ where the tile is skipped minus the correction
+    # alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes (the
+    # corrections' error weights); rows [k, 2k): the full dZ (the reference). Sorted positions;
+    # one slab_products call reads C once for both. S: alpha_i S'_ij [k, nt], 0 where kept.
+    w2, S = sampled_dz(
+        z, bias, vperm, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap, BLOCK_N, BLOCK_V,
+        STATS_STEPS,
+    )  # fmt: skip
+    del z
     w = w2[:k]
-    w[:, :V] = dz.index_select(1, vp)
-    del z, d
-    # The correction alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes.
-    S = decode_tile_mass(code.index_select(0, pos)) * a[:, None]  # [k, nt]; 0 where kept
-    skipped = ~keep.index_select(0, pos // BLOCK_N)
-    size = tile_sizes(V, BLOCK_V, dev)  # classes per tile
-    w3 = w.view(k, nt, BLOCK_V)
-    w3.mul_(skipped[:, :, None]).sub_((S / size)[:, :, None])
     prod = slab_products(w2, c, vperm, width)  # [n_slabs, 2k, D]
     err, ref = prod[:, :k], prod[:, k:].sum(0)
     del w2, prod
@@ -211,8 +191,8 @@ def slab_errors(
         fo = (per_slab.T / V)[:, :, None] * gx[None]
     if vscore is None:
         return SlabErrors(err, ref, fo, ref_sq=ref_sq)
-    dc_err, dc_err_fo = dc_error_terms(code, n_valid, es, scale, dz, w, S, x, vp, vscore, BLOCK_V, width)
-    del dz, w, x
+    dc_err, dc_err_fo = dc_error_terms(code, n_valid, es, scale, w, S, x, vp, vscore, BLOCK_V, width)
+    del w, x
     dc_ref = dc_norm_estimate(e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap)
     return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref, ref_sq)
 
@@ -222,7 +202,6 @@ def dc_error_terms(
     n_valid: torch.Tensor,
     es: torch.Tensor,
     scale: torch.Tensor,
-    dz: torch.Tensor,
     w: torch.Tensor,
     S: torch.Tensor,
     x: torch.Tensor | None,
@@ -232,7 +211,7 @@ def dc_error_terms(
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dc_err [n_slabs], dc_err_fo [n_slabs] or None): dC's squared error per slab estimated
-    from slab_errors' sampled rows (its es, scale, dz, w, S, x).
+    from slab_errors' sampled rows (its es, scale, w, S, x).
 
     dC = sum_i F_i e_i^T (F_i the row's dZ over the classes), and each skipped (row, class) pair
     errs by W_iv = dZ_iv - alpha_i S'_ij q_v, q the spread of the correction G_j = sum_i alpha_i

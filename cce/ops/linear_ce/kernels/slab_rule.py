@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ...._dispatch import interpreting
+from ... import jit_math as jm
 from .common import device_context
 
 # The most slabs the one-program decision holds in registers.
@@ -400,3 +401,79 @@ def systematic_sample(
             Mass=mass, Sm=sm, NValid=n_valid, Counts=counts, Pos=pos, Wt=wt, k=k, BLOCK_K=BK, **meta
         )
     return pos, wt
+
+
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.jit
+def _sampled_dz_kernel(
+    Z,  # [k, V] fp32: the sampled rows' logits e_m . c_v, class order (bias not added)
+    Bias, Vperm, Pos, Ok, AlphaS, BetaS, TS, LseS, Code, Keep,
+    W2,  # [2k, nt BLOCK_V] fp32 out, sorted positions: rows [0, k) the corrections' error weights, [k, 2k) dZ
+    S,  # [k, nt] fp32 out: alpha_m S'_mj, the decoded skipped mass of row m in tile j (0 where kept)
+    k, V, nt, stride_z, stride_w, stride_code, stride_keep, softcap,
+    STEPS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """One sampled row m (sorted row Pos[m], weight Ok[m]: its scale, 0 past the valid rows) and
+    one tile j of the sorted vocabulary (slab_choice.slab_errors):
+
+        dZ_mv = (a_m p_mv - b_m [v == t_m]) softcap'(z_mv)    (a, b = alpha, beta times Ok)
+        W2[k + m, p] = dZ_m,vperm[p]
+        W2[m, p]     = [tile j skipped for the row's block] dZ_m,vperm[p] (target entry 0) - S[m, j] / |j|
+        S[m, j]      = a_m S'_{Pos[m], j}
+
+    (so that W2[m] times C summed over a slab is what its rank-1 corrections get wrong, and
+    W2[k + m] times C the row's exact dE); positions past V are 0."""
+    m = tl.program_id(0)
+    j = tl.program_id(1)
+    row = tl.load(Pos + m)
+    ok = tl.load(Ok + m)
+    a = tl.load(AlphaS + row) * ok
+    b = tl.load(BetaS + row) * ok
+    t = tl.load(TS + row)
+    lse = tl.load(LseS + row)
+    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    pm = offs_p < V
+    v = tl.load(Vperm + offs_p, mask=pm, other=0)
+    z = tl.load(Z + m.to(tl.int64) * stride_z + v, mask=pm, other=0.0)  # [BLOCK_V]
+    if HAS_BIAS:
+        z += tl.load(Bias + v, mask=pm, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z, th = jm.softcap(z, softcap)
+        d = 1.0 - th * th
+    else:
+        d = 1.0
+    dz = tl.where(pm, a * tl.exp(z - lse) * d, 0.0)
+    is_t = (v == t) & pm
+    code = tl.load(Code + row.to(tl.int64) * stride_code + j).to(tl.float32)
+    s = tl.where(code < 255.0, tl.exp(-code / STEPS), 0.0) * a
+    skipped = tl.load(Keep + (row // BLOCK_N) * stride_keep + j) == 0
+    size = tl.minimum(V - j * BLOCK_V, BLOCK_V).to(tl.float32)
+    full = dz - tl.where(is_t, b * d, 0.0)
+    err = tl.where(is_t, 0.0, dz) * skipped.to(tl.float32) - tl.where(pm, s / size, 0.0)
+    tl.store(W2 + (k + m).to(tl.int64) * stride_w + offs_p, full)
+    tl.store(W2 + m.to(tl.int64) * stride_w + offs_p, err)
+    tl.store(S + m * nt + j, s)
+
+
+def sampled_dz(
+    z, bias, vperm, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap: float, BLOCK_N: int,
+    BLOCK_V: int, steps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(W2 fp32 [2k, nt BLOCK_V], S fp32 [k, nt]) of slab_choice.slab_errors' sampled rows from
+    their logits ``z`` (fp32 [k, V], class order): the comment of _sampled_dz_kernel. One launch
+    in place of some thirty torch ops."""
+    k, V = z.shape
+    nt = code.shape[1]
+    w2 = torch.empty((2 * k, nt * BLOCK_V), dtype=torch.float32, device=z.device)
+    S = torch.empty((k, nt), dtype=torch.float32, device=z.device)
+    if k and nt:
+        with device_context(z.device):
+            _sampled_dz_kernel[(k, nt)](
+                Z=z, Bias=bias, Vperm=vperm, Pos=pos, Ok=ok, AlphaS=alpha_s, BetaS=beta_s, TS=t_s, LseS=lse_s,
+                Code=code, Keep=keep, W2=w2, S=S, k=k, V=V, nt=nt, stride_z=z.stride(0),
+                stride_w=w2.stride(0), stride_code=code.stride(0), stride_keep=keep.stride(0),
+                softcap=float(softcap), STEPS=steps,
+                BLOCK_N=BLOCK_N, HAS_SOFTCAP=softcap > 0, BLOCK_V=BLOCK_V,
+            )  # fmt: skip
+    return w2, S
