@@ -19,7 +19,7 @@ same e and targets everywhere, bf16, every 17th target ignored):
    (CUDA events, ranks released together by a barrier), peak memory above the inputs, and the
    gradient errors of both against an fp32 reference (mean loss, unit upstream gradient).
 
-Pass criteria (the issue's): per-rank time <= 0.6 x one GPU, per-rank peak <= 0.55 x one GPU, and
+Pass criteria (issue 17's): per-rank time <= 0.55 x one GPU, per-rank peak <= 0.55 x one GPU, and
 the distributed result as accurate as the one-GPU result: its rel. L2 error vs fp32 at most
 1.5 x the one-GPU error + 4e-3 (bf16 rounds each gradient entry to 2^-8 relative, and the ranks'
 gradient filters see different vocabulary tiles than one GPU does).
@@ -50,7 +50,7 @@ from .data import SHAPES, make_inputs
 from .reference import linear_reference, rel_l2
 
 ALL_SHAPES = {**SHAPES, "tiny": (256, 64, 1003)}
-TIME_RATIO_MAX = 0.6
+TIME_RATIO_MAX = 0.55  # issue 17's (the one-GPU emulation's target, issue 16, is 0.6)
 MEM_RATIO_MAX = 0.55
 # Option sets of the equality check (bias / weight / options; every one with an uneven split).
 OPTION_SETS = {
@@ -377,7 +377,10 @@ def report(per_rank: list[dict], args) -> None:
             f"memory {_fmt(s['mem_ratio'], '.2f')} (<= {MEM_RATIO_MAX}: {s['mem_ok']})"
             f"  accurate: {s['accurate']}"
         )
-    lines.append(f"options check all ok: {all_ok and bool(per_rank[0]['options'] or args.skip_options)}")
+    if args.skip_options:
+        lines.append("options check: skipped (--skip-options)")
+    else:
+        lines.append(f"options check all ok: {all_ok and bool(per_rank[0]['options'])}")
     if errors:
         lines.append(f"\n{len(errors)} error(s):")
         lines.extend(errors)
