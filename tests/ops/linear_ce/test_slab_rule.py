@@ -84,6 +84,18 @@ def test_kernel_equals_torch_rule(seed, n_slabs, tps):
     assert dk.tolist() == dt.tolist() and fk.tolist() == ft.tolist() == [0]
 
 
+@pytest.mark.parametrize("with_fo", [False, True])
+def test_gram_over_many_partials(with_fo):
+    """Long error vectors (k x D = 8 x 512: the Gram kernel's chunk loop over several blocks in
+    each of many programs, their partials summed by the decision): the same flags as the torch
+    rule."""
+    keep, n_valid, nt, errs = _case(9, 2, 8, 512, seed=7)
+    e = errs._replace(fo=errs.fo if with_fo else None)
+    for se in (0.05, 0.2, 0.5):
+        (dk, fk), (dt, ft) = _both(keep, n_valid, nt, 2, 2.0, se, e, 0.5 if with_fo else None)
+        assert dk.tolist() == dt.tolist() and fk.tolist() == ft.tolist(), se
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_kernel_against_float64_vectors(seed):
     """The kernel's greedy dE rule (from Gram matrices) against the rule on the vectors in
@@ -128,7 +140,8 @@ def _systematic_f64(mass, n_valid, k, rows, share=0.0, add=0.0):
     "M,k,nv", [(50, 32, 50), (1000, 32, 700), (3000, 17, 3000), (600, 64, 1), (5000, 512, 4000)]
 )
 def test_systematic_sample_against_float64(rows, M, k, nv):
-    """slab_rule.systematic_sample (fp32 cumulative sums in chunks, one program): each drawn item
+    """slab_rule.systematic_sample (fp32 cumulative sums over chunks: chunk sums, per-chunk
+    histograms of the quantile indices, the pick): each drawn item
     is the one whose float64 cumulative interval holds the quantile (j + 1/2) / k (up to fp32
     rounding: quantiles on an interval's end, as with uniform masses, may go either way), with
     weight 1 / sqrt(k pi) (rows) or 1 / (k pi); heavy items are drawn several times; zero

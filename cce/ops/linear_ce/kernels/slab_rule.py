@@ -19,9 +19,14 @@ columns of dense ones zeroed: dense slabs are exact),
 
 so the first m with rem(m)^2 <= bound^2 (rem(n) = 0) is found on the [n, n] matrix alone,
 and the chosen slabs are those with r_s < m. dC's rule is the same on squared errors that add
-(dc_err >= 0, no cross terms). The sums of Gram entries are sums of the same products as the
-vector norms (no cancellation beyond that of the vector sum itself), so the decisions equal
-the float64 rule's up to fp32 rounding at the bound (tests/ops/linear_ce/test_dense_slabs.py).
+(dc_err >= 0, no cross terms). Rounding: a sum of Gram entries errs by about fp32's epsilon
+times (sum_s ||err_s||)^2, where the vector sum's norm errs relative to ||sum_s err_s|| itself;
+the two differ where slabs' errors cancel each other strongly. The decisions equal the float64
+rule's (tests/ops/linear_ce/test_slab_rule.py, slabs cancelling to 0.1 of their size); at a
+cancellation of ~1000x a decision within a few percent of the bound can differ from the torch
+form's. Non-finite inputs (a NaN estimate) make every sparse slab with an error dense here
+(tl.maximum returns the number), where the torch form makes none dense: the step's gradient is
+not finite either way.
 
 The single program holds [BLOCK_S, BLOCK_S] matrices in registers: up to RULE_KERNEL_SLABS slabs
 (BLOCK_S 64). More slabs mean N past ~32k rows at V = 256k (slab_tiles: 256 MB slabs), where
