@@ -40,7 +40,8 @@ ERROR_ROWS = 32
 # The uniform share of the sampling probability (keeps the estimate of ||dE|| itself, which
 # every row carries about alike, from resting on the heavy rows only).
 UNIFORM_SHARE = 0.5
-# Rows per chunk when summing each row's decoded tile masses (bounds the fp32 temporary).
+# Rows per chunk when dc_error_terms sums the tiles' decoded masses over the rows (bounds the
+# fp32 temporary).
 _MASS_ROWS = 8192
 # Classes whose exact dC rows estimate ||dC|| (dc_norm_estimate): the front of the sorted
 # vocabulary, and an even sample of the rest.
@@ -376,14 +377,16 @@ def dense_slab_flags(
     dev = code.device
     n_slabs = -(-nt // tiles_per_slab)
     tol_c = slab_error if slab_error_dc is None else slab_error_dc
+    ref_sq = None
+    if errors is not None:
+        ref_sq = errors.ref.square().sum() if errors.ref_sq is None else errors.ref_sq
     if n_slabs <= max_kernel_slabs:
         # The same rule in two launches (kernels/slab_rule.py): host time of a step at small N
         # or on one rank's block of the vocabulary.
-        err = ref_sq = fo = cost = dc = dc_fo = dc_ref = None
+        err = fo = cost = dc = dc_fo = dc_ref = None
         if errors is not None:
             if slab_error < 1:
                 err = errors.err
-                ref_sq = errors.ref.square().sum() if errors.ref_sq is None else errors.ref_sq
             if errors.fo is not None and first_order_cost is not None:
                 fo, cost = errors.fo, first_order_cost
             if errors.dc_err is not None and errors.dc_ref is not None and tol_c < 1:
@@ -401,7 +404,6 @@ def dense_slab_flags(
     if errors is None:
         return dense.to(torch.int8), off
     sparse = (~dense).float()
-    ref_sq = errors.ref.square().sum() if errors.ref_sq is None else errors.ref_sq
     bound = slab_error * ref_sq.clamp(min=0).sqrt()
     bound_c = None if errors.dc_ref is None else tol_c**2 * errors.dc_ref.clamp(min=0)
 
