@@ -53,10 +53,15 @@ def linear_reference(
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
     ignore_index: int = IGNORE_INDEX,
+    entropy_coef: float = 0.0,
 ) -> LinearReference:
     """Mean cross entropy of ``softcap(e @ c.T + bias)`` and its gradients with respect to e and c,
     in fp32 from the given (bf16) inputs (TF32 off), chunked over tokens so that N x V never exists
-    in fp32 at once: the errors measured against it are the implementation's alone."""
+    in fp32 at once: the errors measured against it are the implementation's alone.
+
+    ``entropy_coef`` k: the objective ``loss - k * entropy.mean()`` instead (an RL-style entropy
+    bonus; the entropy H_i = lse_i - sum_v p_iv z_iv of each row, 0 at ignored rows, the mean over
+    all N rows, as ``out.entropy.mean()`` of cce.linear_cross_entropy takes it)."""
     with _Fp32Matmul():
         c32 = c.float()
         valid_all = t != ignore_index
@@ -79,10 +84,23 @@ def linear_reference(
             lse = torch.logsumexp(logits, -1)
             tgt = logits.gather(1, safe[:, None])[:, 0]
             total += torch.where(valid, lse - tgt, 0.0).double().sum()
+            ent = None
+            if entropy_coef:
+                # d(-k H_i / N) / dz_iv = (k / N) p_iv (log p_iv + H_i)
+                logp = logits - lse[:, None]
+                p0 = logp.exp()
+                H = -(p0 * logp).sum(1)
+                ent = logp.add_(H[:, None]).mul_(p0)
+                del p0
+                ent *= valid[:, None].float() * (entropy_coef / e.shape[0])
+                total -= torch.where(valid, H, 0.0).double().sum() * (entropy_coef * n_valid / e.shape[0])
             p = (logits - lse[:, None]).exp_()
             del logits
             p.scatter_add_(1, safe[:, None], -torch.ones_like(p[:, :1]))
             p *= valid[:, None].float() / n_valid
+            if ent is not None:
+                p += ent
+                del ent
             if th is not None:
                 p *= 1.0 - th * th
                 del th

@@ -546,9 +546,10 @@ def test_triton_outputs_keep_the_sparse_backward(monkeypatch):
     gradient reaches only the loss (and lse): the forward gathers its tile statistics and forms
     the outputs in the same walk (the target, kept out of the walk's maxima, enters the entropy
     and the argmax from its own logit), and the gradients equal the same step's without the
-    outputs bit for bit. A gradient reaching the entropy runs the exact backward instead: then
-    within fp32 arithmetic of the oracle (the oracle test's bound is ~1e-6 relative here).
-    Exact fp32 logits (as there), so argmax and accuracy are exact."""
+    outputs bit for bit. A gradient reaching the entropy stays on the sparse backward too (its
+    term eta p z in dZ, triton_backward.sparse_backward): then within the filter's error of the
+    oracle, which the dense-slab rule holds near its 2.5e-3 of dE on sampled rows (the issue's
+    target: 5e-3). Exact fp32 logits (as there), so argmax and accuracy are exact."""
     pytest.importorskip("triton")
     import cce.ops.linear_ce.triton_impl as ti
 
@@ -586,12 +587,16 @@ def test_triton_outputs_keep_the_sparse_backward(monkeypatch):
     assert bool(((got.entropy.double() - ref.entropy).abs()[valid] <= bound[valid]).all())
     assert torch.equal(got.argmax, ref.argmax) and float(got.accuracy) == float(ref.accuracy) > 0
     _, g_ent = run(0.5, **kw)
-    assert calls[2:] == ["linear_ce_triton_bwd"]
+    assert calls[2:] == ["linear_ce_triton_bwd_sparse"]
     e64, c64 = e.detach().double().requires_grad_(), c.detach().double().requires_grad_()
     r = linear_cross_entropy_reference(e64, c64, t, dtype=torch.float64, return_lse=True, **kw)
-    g_ref = torch.autograd.grad(r.loss + 0.3 * r.lse.sum() + 0.5 * r.entropy.sum(), (e64, c64))
-    for x, y in zip(g_ent, g_ref, strict=True):
-        assert rel_err_(x.double(), y) < 1e-5
+    g_ref = torch.autograd.grad(
+        r.loss + 0.3 * r.lse.sum() + 0.5 * r.entropy.sum(), (e64, c64), retain_graph=True
+    )
+    g_no = torch.autograd.grad(r.loss + 0.3 * r.lse.sum(), (e64, c64))
+    for x, y, y0 in zip(g_ent, g_ref, g_no, strict=True):
+        assert rel_err_(x.double(), y) < 5e-3
+        assert rel_err_(y0, y) > 0.1  # the entropy's term is a large part of the gradient here
 
 
 def test_triton_walks_several_tiles_per_split(monkeypatch):

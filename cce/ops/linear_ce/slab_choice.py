@@ -73,13 +73,20 @@ class SlabErrors(NamedTuple):
 
 
 def sample_rows(
-    code: torch.Tensor, alpha_s: torch.Tensor, n_valid: torch.Tensor, k: int
+    code: torch.Tensor,
+    alpha_s: torch.Tensor,
+    n_valid: torch.Tensor,
+    k: int,
+    eta_s: torch.Tensor | None = None,
+    lse_s: torch.Tensor | None = None,
+    block_v: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pos, scale): k sorted-row positions and per-position weights, on the device.
 
     With N <= k every row is taken once (scale 1). Otherwise systematic sampling with probability
     pi_i = UNIFORM_SHARE / n_valid + (1 - UNIFORM_SHARE) m_i / sum(m) over the valid rows, m_i =
-    |alpha_i| times the row's decoded skipped mass (its corrections' size), deterministic (the
+    |alpha_i| times the row's decoded skipped mass (its corrections' size; with the entropy's
+    coefficient ``eta_s``, sum_j |a_ij S'_ij|, kernels/slab_rule.row_masses), deterministic (the
     k quantiles (j + 1/2) / k of the cumulative pi; no random state is drawn); scale_i =
     1 / sqrt(k pi_i), so that the sum over the sampled rows of scale^2 x (a row's squared norm) is
     an unbiased estimate of the sum over all rows: slab_errors scales each row's error and
@@ -90,7 +97,7 @@ def sample_rows(
     if N <= k:
         return torch.arange(N, device=dev), torch.ones(N, dtype=torch.float32, device=dev)
     # Two launches (kernels/slab_rule.py): host time of a step at small N.
-    m = row_masses(code, alpha_s, STATS_STEPS)
+    m = row_masses(code, alpha_s, STATS_STEPS, eta_s, lse_s, block_v)
     return systematic_sample(m, n_valid, k, rows=True, share=UNIFORM_SHARE)
 
 
@@ -115,6 +122,7 @@ def slab_errors(
     cm: torch.Tensor | None = None,
     vscore: torch.Tensor | None = None,
     coef_t: torch.Tensor | None = None,
+    eta_s: torch.Tensor | None = None,
 ) -> SlabErrors:
     """SlabErrors for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] is what the rank-1 corrections of the skipped tiles of slab s
@@ -122,7 +130,9 @@ def slab_errors(
 
         err[s, i] = sum_{skipped j in s} ( sum_{v in j, v != t_i} dZ_iv c_v - alpha_i S'_ij mean(C_j) ),
 
-    with dZ_iv = alpha_i p_iv softcap'(z_iv) and S'_ij the decoded mass the sparse backward uses;
+    with dZ_iv = alpha_i p_iv softcap'(z_iv) and S'_ij the decoded mass the sparse backward uses
+    (with ``eta_s``, the entropy's coefficient per sorted row: dZ_iv = p_iv (alpha_i + eta_i z_iv)
+    softcap'(z_iv) and the corrections' coefficients of kernels/slab_rule.skipped_coef);
     ref[i] is the exact sum_v dZ_iv c_v with the target term (alpha p_t - beta) softcap'. Sorted
     rows past n_valid count with alpha = beta = 0.
 
@@ -150,7 +160,7 @@ def slab_errors(
     """
     N, nt = code.shape
     V, D = c.shape
-    pos, scale = sample_rows(code, alpha_s, n_valid, rows)
+    pos, scale = sample_rows(code, alpha_s, n_valid, rows, eta_s, lse_s, BLOCK_V)
     k = pos.numel()
     ok = (pos < n_valid.long()).float() * scale
     vp = vperm.long()
@@ -169,9 +179,9 @@ def slab_errors(
     # alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes (the
     # corrections' error weights); rows [k, 2k): the full dZ (the reference). Sorted positions;
     # one slab_products call reads C once for both. S: alpha_i S'_ij [k, nt], 0 where kept.
-    w2, S = sampled_dz(
+    w2, S, SF = sampled_dz(
         z, bias, vperm, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap, BLOCK_N, BLOCK_V,
-        STATS_STEPS,
+        STATS_STEPS, eta_s,
     )  # fmt: skip
     del z
     w = w2[:k]
@@ -187,14 +197,18 @@ def slab_errors(
     fo = None
     if gx is not None:
         per_slab = (
-            F.pad(S, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)
+            F.pad(SF, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)
         )  # [k, n_slabs]
         fo = (per_slab.T / V)[:, :, None] * gx[None]
     if vscore is None:
         return SlabErrors(err, ref, fo, ref_sq=ref_sq)
-    dc_err, dc_err_fo = dc_error_terms(code, n_valid, es, scale, w, S, x, vp, vscore, BLOCK_V, width)
+    dc_err, dc_err_fo = dc_error_terms(
+        code, n_valid, es, scale, w, S, x, vp, vscore, BLOCK_V, width, None if SF is S else SF
+    )
     del w, x
-    dc_ref = dc_norm_estimate(e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap)
+    dc_ref = dc_norm_estimate(
+        e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap, eta_s=eta_s
+    )
     return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref, ref_sq)
 
 
@@ -210,9 +224,11 @@ def dc_error_terms(
     vscore: torch.Tensor,
     BLOCK_V: int,
     width: int,
+    SF: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dc_err [n_slabs], dc_err_fo [n_slabs] or None): dC's squared error per slab estimated
-    from slab_errors' sampled rows (its es, scale, w, S, x).
+    from slab_errors' sampled rows (its es, scale, w, S, x; SF: the first-order terms' weights
+    (a_ij + eta_i) S'_ij with the entropy's term, None: S).
 
     dC = sum_i F_i e_i^T (F_i the row's dZ over the classes), and each skipped (row, class) pair
     errs by W_iv = dZ_iv - alpha_i S'_ij q_v, q the spread of the correction G_j = sum_i alpha_i
@@ -269,7 +285,7 @@ def dc_error_terms(
     rate = M / M.sum().clamp(min=1e-30) * inv_size[:, 0]  # r_j / |j|
     wf = torch.zeros((k, nt * BLOCK_V), dtype=f32, device=dev)
     wf[:, :V] = x.index_select(1, vp)
-    wf.view(k, nt, BLOCK_V).mul_(rate[None, :, None] * S.sum(1)[:, None, None])
+    wf.view(k, nt, BLOCK_V).mul_(rate[None, :, None] * (S if SF is None else SF).sum(1)[:, None, None])
     return dc_err, per_slab(w - wf)
 
 
@@ -288,6 +304,7 @@ def dc_norm_estimate(
     head: int = NORM_HEAD,
     tail: int = NORM_TAIL,
     chunk_bytes: int = _NORM_CHUNK_BYTES,
+    eta_s: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 []: ||dC||^2 (the label-smoothing term left out) from the exact dC rows of ``head``
     classes at the front of the sorted vocabulary and of ``tail`` classes of the rest, drawn by
@@ -328,6 +345,7 @@ def dc_norm_estimate(
     dC = torch.zeros((h + m, D), dtype=f32, device=dev)
     a = torch.where(valid, alpha_s, 0.0)
     b = torch.where(valid, beta_s, 0.0)
+    et = None if eta_s is None else torch.where(valid, eta_s, 0.0)
     rows = max(1, chunk_bytes // (4 * max(h + m, 1)))
     t_l = t_s.long()
     for s0 in range(0, N, rows):
@@ -335,7 +353,10 @@ def dc_norm_estimate(
         E = e2d.index_select(0, erow_s[s0:s1])
         z = mm_f32(E, Cs.T, None)  # [rows, h + m]
         # (dZ rounded to the operand dtype, as the backward's GEMMs do: an estimate's accuracy)
-        dz = class_sample_dz(z, cls, t_l[s0:s1], lse_s[s0:s1], a[s0:s1], b[s0:s1], bs, softcap, E.dtype)
+        dz = class_sample_dz(
+            z, cls, t_l[s0:s1], lse_s[s0:s1], a[s0:s1], b[s0:s1], bs, softcap, E.dtype,
+            None if et is None else et[s0:s1],
+        )  # fmt: skip
         dC += mm_f32(dz.T, E, None)
     return (dC.square().sum(1) * wt).sum()
 

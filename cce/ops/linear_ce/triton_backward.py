@@ -9,12 +9,14 @@ cce/ops/linear_ce/local.py.) docs/design.md has the error bounds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ... import _math
 from ...options import DEFAULT_TUNING as _T
 from .kernels import backward_sparse as KS
-from .kernels.backward_exact import linear_ce_backward_exact
+from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
 from .kernels.common import inverse_permutation, slab_tiles, stats_blocks, tile_sizes
 from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
@@ -157,10 +159,11 @@ def sparse_backward(
     move_bytes: int = _T.stash_move_bytes, return_plan: bool = False, dense_slabs: bool = False,
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
     slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
-    first_order: bool = _T.first_order, u=None,
+    first_order: bool = _T.first_order, u=None, delta=None, entropy=None,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan);
-    ``u``: an upstream gradient on the target logit (a log-probability output), else None.
+    ``u``: an upstream gradient on the target logit (a log-probability output), else None;
+    ``delta``: one on the entropy output (whose forward values are ``entropy``), else None.
 
     dE is written into ``stash`` (the forward's buffer, whose tail may hold the codes: then
     ``code`` is empty) and returned; without one a new buffer is used.
@@ -183,16 +186,24 @@ def sparse_backward(
     With ``first_order`` as well (and the error rule on), the device may apply the skipped
     tiles' first-order terms instead of (some) dense slabs, where they cost less
     (kernels/first_order.py, slab_choice.dense_slab_flags).
+
+    With ``delta`` the entropy's term eta p z is part of dZ (cce/_math.py): kept tiles and the
+    target entries carry it exactly, a skipped tile j of row i through the coefficient
+    alpha_i + eta_i (lse_i + log(S_ij / |tile|)) of its rank-1 correction (its p-weighted mean
+    logit to first order, kernels/backward_sparse.py), and the dense-slab rule measures the
+    corrections with that term; the first-order terms weigh a row's skipped tiles by a_ij + eta_i
+    (kernels/first_order.py).
     """
     V, D = c.shape
     dev = e2d.device
     f32 = torch.float32
-    alpha, beta, gamma, _eta, smooth = loss_coefficients(
-        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u
+    alpha, beta, gamma, eta, smooth = loss_coefficients(
+        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u, delta, entropy
     )
     r = RowOrder(targets, rows, ignore_index)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     alpha_s, beta_s, lse_s, t_s = srt(alpha.float()), srt(beta.float()), srt(lse), srt(r.safe_t)
+    eta_s = None if eta is None else srt(eta.float())
     N = r.N
     BN, BV = stats_blocks(e2d.dtype)
     nt = -(-V // BV)
@@ -211,8 +222,9 @@ def sparse_backward(
     code_in_stash = tuple(code.shape) != (N, nt)
     if code_in_stash:
         code = stash_code(stash, N, nt)
-    # The target entries, exact: (alpha p_t - beta) softcap'(z_t); 0 at ignored rows.
-    coef = alpha_s * torch.exp(zt_s - lse_s) - beta_s
+    # The target entries, exact: (p_t (alpha [+ eta z_t]) - beta) softcap'(z_t); 0 at ignored rows.
+    a_t = alpha_s if eta_s is None else alpha_s + eta_s * zt_s
+    coef = a_t * torch.exp(zt_s - lse_s) - beta_s
     if softcap > 0:
         coef = coef * (1.0 - (zt_s / softcap) ** 2)
     coef = torch.where(valid_s, coef, 0.0)
@@ -232,7 +244,7 @@ def sparse_backward(
             # (dC's estimates only where dC is wanted.)
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
-                BN, BV, tps * BV, cm=cm, vscore=vscore if dc_rule else None, coef_t=coef,
+                BN, BV, tps * BV, cm=cm, vscore=vscore if dc_rule else None, coef_t=coef, eta_s=eta_s,
             )  # fmt: skip
         dense, flag = dense_slab_flags(
             code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc
@@ -255,7 +267,9 @@ def sparse_backward(
         if smooth:
             wc = weighted_rows(w, c)
     if need_dc:
-        dc_in = _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo)
+        dc_in = _dc_inputs(
+            e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo, eta_s, lse_s
+        )
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
     cap = KS.kept_scratch_tiles(N, e2d.dtype, dc_scratch_tiles) if need_dc else 0
@@ -274,10 +288,13 @@ def sparse_backward(
         ge, gidx.view(keep.shape), klist, n_kept, fo,
     )  # fmt: skip
     del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
+    dz_bound = None
+    if eta_s is not None and dense is not None and e2d.dtype == torch.float16:
+        dz_bound = fp16_dz_bound(alpha_s, eta_s, lse_s, srt(entropy.float()))
     dE, dC = KS.linear_ce_backward_sparse(
         e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
         need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
-        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps,
+        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps, eta=eta_s, dz_bound=dz_bound,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan
@@ -296,9 +313,13 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
     return FirstOrder(flag, gn, gs, cm)
 
 
-def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None, fo=None):
+def _dc_inputs(
+    e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None, fo=None, eta_s=None,
+    lse_s=None,
+):  # fmt: skip
     """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
-    kernels.backward_sparse.SparsePlan.
+    kernels.backward_sparse.SparsePlan. With ``eta_s`` (and ``lse_s``) a skipped tile's mass
+    carries the entropy's coefficient alpha_i + eta_i (lse_i + log(S_ij / BV)), as in dE.
 
     ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
     count. Built in this function so that nothing but the plan holds them (the launcher releases them
@@ -326,6 +347,9 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
         if live is not None:  # tiles of dense slabs: no correction
             M = M * live[None, :]
         S = M * alpha_s[s:t, None]  # alpha is 0 at ignored rows
+        if eta_s is not None:  # (eta is 0 at ignored rows too)
+            h = eta_s[s:t, None]
+            S += M * (h * (lse_s[s:t, None] - math.log(BV))) + torch.xlogy(M, M) * h
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
             G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
@@ -333,7 +357,7 @@ def _dc_inputs(e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV:
             G += S.T @ E_c.float()
         if fo is not None:
             mass += (M * valid_s[s:t, None]).sum(0)
-            srow[s:t] = S.sum(1)
+            srow[s:t] = S.sum(1) if eta_s is None else S.sum(1) + eta_s[s:t] * M.sum(1)
     # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
     sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
     sc[:V] = vscore

@@ -247,6 +247,8 @@ class SparseBwdArgs(NamedTuple):
     dense_slab_bytes: int
     first_order: bool
     u: torch.Tensor | None  # [N] upstream gradient of the target logit output
+    delta: torch.Tensor | None  # [N] upstream gradient of the entropy output
+    entropy: torch.Tensor | None  # [N] fp32 the entropy's forward values (with delta)
 
 
 @define_op(
@@ -267,7 +269,8 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
-        dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, u=a.u,
+        dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, u=a.u, delta=a.delta,
+        entropy=a.entropy,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -315,14 +318,15 @@ def _backward(
         g = torch.zeros(N, dtype=torch.float32, device=targets.device)
     else:
         g = _math.row_upstream(g_loss, w_t, a.reduction, N).contiguous()
-    # The sparse backward's kernels have no entropy term (outside the filter's bound): a gradient
-    # reaching the entropy takes the exact backward (filter_eps 0 there) for the whole step.
-    if a.stats and not need_db and g_ent is None:
+    # (The statistics' forward has temperature 1; a gradient reaching the entropy is part of the
+    # sparse backward's dZ, triton_backward.sparse_backward.)
+    if a.stats and not need_db:
         dE, dC = linear_ce_triton_bwd_sparse(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
-            a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, g_tgt,
+            a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, g_tgt, g_ent,
+            ent if g_ent is not None else None,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
             # dE was written into the forward's stash (a second backward through this graph
@@ -517,7 +521,7 @@ def linear_ce_triton(
     else None. need_de / need_dc / need_dbias (what autograd will ask for) choose the backward
     (cce._dispatch.linear_backward): for the sparse one the forward also gathers the tile
     statistics. A temperature takes the exact (or fused) path; a gradient reaching the entropy
-    runs the exact backward."""
+    is part of the sparse backward (after the fused forward it runs the exact one)."""
     N, (V, D) = targets.numel(), c.shape
     flops = 2.0 * N * V * D
     fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)

@@ -12,6 +12,8 @@ the option reaches the backward.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -119,17 +121,24 @@ def test_slab_errors_first_order_against_float64():
     assert float(want.norm()) > 0
 
 
-def _model_grads(e, c, t, g, out, fo_on: bool):
+def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None):
     """(dE, dC) of the sparse backward's model in float64 from the forward's codes: the rank-1
-    corrections (dC spread by q, or evenly with fo_on) plus, with fo_on, the first-order terms."""
+    corrections (dC spread by q, or evenly with fo_on) plus, with fo_on, the first-order terms.
+    With ``delta`` (an upstream gradient of the entropy, whose values are ``ent``) the entropy's
+    term: dZ = p (alpha + eta z), a skipped tile's weight (alpha + eta (lse + log(S' / BV))) S'
+    and its first-order weight that plus eta S' (kernels/first_order.py)."""
     N, D = e.shape
     V = c.shape[0]
     BN, BV = stats_blocks(torch.float32)
     r = RowOrder(t, None, -100)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
-    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    alpha, beta, _, eta, _ = loss_coefficients(
+        None, t, out[1], g, None, -100, 0.0, 0.0, V, delta=delta, entropy=ent
+    )
     a = srt(alpha.double()) * (torch.arange(N) < r.n_valid).double()
     b = srt(beta.double())
+    h = torch.zeros_like(a) if eta is None else srt(eta.double())
+    lse_s = srt(out[1]).double()
     E = e.double()[r.erow_s]
     ts = srt(r.safe_t)
     perm = out[5].long()
@@ -138,7 +147,9 @@ def _model_grads(e, c, t, g, out, fo_on: bool):
     p = torch.exp(z - srt(out[1]).double()[:, None])
     nt = out[2].shape[1]
     keep = out[3].bool()
-    S = decode_tile_mass(out[2]).double() * a[:, None]  # [N, nt], 0 where kept
+    M = decode_tile_mass(out[2]).double()  # [N, nt], 0 where kept
+    S = M * (a + h * (lse_s - math.log(BV)))[:, None] + h[:, None] * torch.xlogy(M, M)
+    SF = S + h[:, None] * M
     dE = torch.zeros(N, D, dtype=torch.float64)
     dC = torch.zeros(V, D, dtype=torch.float64)
     tile_of = torch.empty(V, dtype=torch.long)
@@ -146,7 +157,7 @@ def _model_grads(e, c, t, g, out, fo_on: bool):
     cnt = torch.bincount(tile_of, minlength=nt).double()
     cm = torch.stack([C[tile_of == j].mean(0) for j in range(nt)])
     rows = torch.arange(N)
-    dz = a[:, None] * p
+    dz = p * (a[:, None] + h[:, None] * z)
     dz[rows, ts] = 0.0
     kept_mask = keep[rows // BN][:, tile_of]  # [N, V]
     dzk = dz * kept_mask
@@ -162,30 +173,32 @@ def _model_grads(e, c, t, g, out, fo_on: bool):
             q[perm[j * BV : (j + 1) * BV]] = torch.softmax(score[j * BV : (j + 1) * BV], 0)
         spread = q
     dC += spread[:, None] * Gj[tile_of]
-    coef = a * torch.exp(out[4].double() - srt(out[1]).double()) - b  # out[4]: sorted rows
+    zt = out[4].double()  # out[4]: sorted rows
+    coef = (a + h * zt) * torch.exp(zt - lse_s) - b
     coef = coef * (torch.arange(N) < r.n_valid).double()
     dE += coef[:, None] * C[ts]
     dC.index_add_(0, ts, coef[:, None] * E)
     if fo_on:
         delta = C - cm[tile_of]
         Gbar = delta.T @ delta / V
-        dE += S.sum(1)[:, None] * (E @ Gbar)
+        dE += SF.sum(1)[:, None] * (E @ Gbar)
         valid = (torch.arange(N) < r.n_valid).double()
         mass = (decode_tile_mass(out[2]).double() * valid[:, None]).sum(0)  # unsigned S_ij
-        H = (E * S.sum(1)[:, None]).T @ E
+        H = (E * SF.sum(1)[:, None]).T @ E
         rate = mass / mass.sum() / cnt
         dC += rate[tile_of][:, None] * (delta @ H)
     dE_e = torch.zeros(N, D, dtype=torch.float64).index_copy_(0, r.erow_s, dE)
     return dE_e, dC
 
 
-@pytest.mark.parametrize("std", [0.2, 0.05])
-def test_sparse_backward_with_first_order_is_the_model(std, monkeypatch):
+@pytest.mark.parametrize("std,entropy", [(0.2, False), (0.05, False), (0.2, True)])
+def test_sparse_backward_with_first_order_is_the_model(std, entropy, monkeypatch):
     """On near-uniform rows the rule turns the terms on (flag 1, no slab dense: their estimated
     error is within the target, the rank-1 corrections' is not), and the sparse backward then
     computes exactly the model: rank-1 corrections with an even dC spread plus alpha_i S_i Gbar e_i
     and rate_j delta_v H, from the forward's own decoded masses (float64 model; fp32 GEMMs over
-    D = 32 and 3000 classes: 2e-5)."""
+    D = 32 and 3000 classes: 2e-5). With ``entropy`` an upstream gradient on the entropy output
+    as well (loss - 0.3 H per row, random weights): the model's coefficients with eta."""
     N, D, V = 64, 32, 3000
     e, c, t = near_uniform_inputs(N, D, V, std=std)
     tu = Tuning(backward="sparse", dense_slabs=True)
@@ -200,15 +213,20 @@ def test_sparse_backward_with_first_order_is_the_model(std, monkeypatch):
         return seen["flags"]
 
     args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:8])
+    kw = {}
+    if entropy:
+        z = e.double() @ c.double().T
+        ent = (torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)).float()
+        kw = dict(delta=-0.3 * torch.rand(N, generator=torch.Generator().manual_seed(5)), entropy=ent)
     monkeypatch.setattr(TB, "dense_slab_flags", spy)
-    dE, dC = sparse_backward(*args, dense_slabs=True)
+    dE, dC = sparse_backward(*args, dense_slabs=True, **kw)
     dense, flag = seen["flags"]
     assert flag.tolist() == [1] and int(dense.sum()) == 0
-    mE, mC = _model_grads(e, c, t, g, out, fo_on=True)
+    mE, mC = _model_grads(e, c, t, g, out, True, kw.get("delta"), kw.get("entropy"))
     assert rel_err(dE, mE) < 2e-5 and rel_err(dC, mC) < 2e-5
     # without the terms: the rank-1 model with the q spread (the terms are not a no-op here)
-    dE0, dC0 = sparse_backward(*args, dense_slabs=False)
-    mE0, mC0 = _model_grads(e, c, t, g, out, fo_on=False)
+    dE0, dC0 = sparse_backward(*args, dense_slabs=False, **kw)
+    mE0, mC0 = _model_grads(e, c, t, g, out, False, kw.get("delta"), kw.get("entropy"))
     assert rel_err(dE0, mE0) < 2e-5 and rel_err(dC0, mC0) < 2e-5
     assert rel_err(mE, mE0) > 1e-3
 

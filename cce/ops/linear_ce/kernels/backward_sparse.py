@@ -39,22 +39,28 @@ from .tile_stats import STATS_STEPS, tile_means
 
 
 @triton.jit
-def _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask):
-    """(e2d row int64, target int64 (-1 masked), lse, alpha) of a token block's sorted rows."""
+def _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA: tl.constexpr):
+    """(e2d row int64, target int64 (-1 masked), lse, alpha, eta) of a token block's sorted rows
+    (eta 0 without HAS_ETA)."""
     erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
     lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
     alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
-    return erow, tgt, lse, alpha
+    if HAS_ETA:
+        eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
+    else:
+        eta = tl.zeros_like(alpha)
+    return erow, tgt, lse, alpha, eta
 
 
 @triton.jit
 def _dz_tile(
-    E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """(dZ tile in the operand dtype, its scale): alpha p softcap' at the non-target entries.
+    """(dZ tile in the operand dtype, its scale): p (alpha [+ eta z]) softcap' at the non-target
+    entries (HAS_ETA: the entropy's term, z the softcapped logit; cce/_math.py).
 
     The target entries are 0 here; their exact term is added in fp32 by the caller. SCALE_DZ
     (fp16): the tile is scaled to max |dZ| = 1 before rounding (alpha p can sit below fp16's
@@ -69,7 +75,12 @@ def _dz_tile(
     if HAS_SOFTCAP:
         L, th = jm.softcap(L, softcap)
     nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
-    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)
+    if HAS_ETA:
+        p = tl.exp(L - lse[:, None])
+        # (L where p > 0: a class a -inf bias masks gets 0, not 0 * -inf)
+        dz = tl.where(nt, p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0)), 0.0)
+    else:
+        dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)
     if HAS_SOFTCAP:
         dz *= 1.0 - th * th
     if SCALE_DZ:
@@ -85,8 +96,8 @@ def _dz_tile(
 @triton.jit
 def _kept_dz(
     Scratch, ScaleBuf, gk, cap,
-    E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The dZ tile of the gk-th kept tile: from the scratch written by _kept_dz_kernel when it has a
@@ -100,28 +111,28 @@ def _kept_dz(
             scale = 1.0
     else:
         dzc, scale = _dz_tile(
-            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
-            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
         )  # fmt: skip
     return dzc, scale
 
 
 @triton.jit
 def _kept_dz_to_slot(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf, blk, j, slot,
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf, blk, j, slot,
     V, D, stride_e, stride_c, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The dZ tile (token block blk, vocabulary tile j) into scratch slot ``slot``."""
     n_valid = tl.load(NValid)
     offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
-    erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
+    erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
     offs_p, col_mask, vid = tile_cols(Perm, j, V, BLOCK_V)
     dzc, scale = _dz_tile(
-        E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
-        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
+        HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
     offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     tl.store(Scratch + slot.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs, dzc)
@@ -130,12 +141,12 @@ def _kept_dz_to_slot(
         tl.store(ScaleBuf + slot + one, scale + tl.zeros((1,), tl.float32))
 
 
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
 @triton.jit
 def _kept_dz_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, KList, NKept, Scratch, ScaleBuf,
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, KList, NKept, Scratch, ScaleBuf,
     V, D, stride_e, stride_c, n_vtiles, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program k: the dZ tile of the k-th kept tile (in (block, tile) order), once, into scratch
@@ -145,18 +156,18 @@ def _kept_dz_kernel(
         return
     flat = tl.load(KList + k)
     _kept_dz_to_slot(
-        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf,
+        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf,
         flat // n_vtiles, flat % n_vtiles, k, V, D, stride_e, stride_c, softcap,
-        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
 
 
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
 @triton.jit
 def _kept_dz_block_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, ListE, CntE, Scratch, ScaleBuf,
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListE, CntE, Scratch, ScaleBuf,
     V, D, stride_e, stride_c, n_vtiles, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (b, s): the s-th kept tile of token block b into slot b * n_slots + s (the dE
@@ -167,9 +178,9 @@ def _kept_dz_block_kernel(
         return
     j = tl.load(ListE + blk * (n_vtiles + 1) + s)
     _kept_dz_to_slot(
-        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Scratch, ScaleBuf,
+        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf,
         blk, j, blk * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap,
-        HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
 
 
@@ -179,16 +190,17 @@ def _kept_dz_block_kernel(
         "HAS_SMOOTH": lambda a: a["Gamma"] is not None,
         "HAS_DENSE": lambda a: a["Dense"] is not None,
         "HAS_GRAM": lambda a: a["Gram"] is not None,
+        "HAS_ETA": lambda a: a["Eta"] is not None,
     }
 )
 @triton.jit
 def _sparse_de_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Gamma, Coef, Code, ListE, CntE, Cm, WC,
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Gamma, Coef, Code, ListE, CntE, Cm, WC,
     Scratch, ScaleBuf, Dense, DEAcc, Gram, GScale, GFlag, dE,
     V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, n_vtiles, softcap, blk0,
     code_row0, slot_blk0, cap, tiles_per_slab,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_DENSE: tl.constexpr,
-    HAS_GRAM: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_GRAM: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -203,6 +215,10 @@ def _sparse_de_kernel(
     codes do not count: Dense per slab of tiles_per_slab tiles, both or neither None]
     [+ alpha_i S_i (e_i @ Gbar), S_i = sum_j S_ij, where GFlag is nonzero: the first-order term
     of first_order.py, Gram = Gbar / GScale in the operand dtype, or None].
+    With Eta (the entropy's coefficient per sorted row, or None) the kept tiles' dZ carry
+    eta p z, a skipped tile's mass S_ij the coefficient a_ij = alpha_i + eta_i (lse_i +
+    log(S_ij / BLOCK_V)) instead of alpha_i, and the first-order term sum_j (a_ij + eta_i) S_ij
+    instead of alpha_i S_i (first_order.py).
 
     Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
     """
@@ -214,7 +230,7 @@ def _sparse_de_kernel(
         return
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
-    erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
+    erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
     offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
     acc = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
@@ -225,8 +241,8 @@ def _sparse_de_kernel(
         gk = tl.where(k < N_SLOTS, (pid_n - slot_blk0) * N_SLOTS + k, cap)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
-            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
-            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
         )  # fmt: skip
         c = tl.load(
             C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
@@ -236,7 +252,9 @@ def _sparse_de_kernel(
     # softcap'; code 255, kept tiles included: 0), against the tile mean of C. Masses <= 1, so
     # the operand dtype holds them.
     corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+    corr_h = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
     ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    shsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j0 in range(0, n_vtiles, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         jm = offs_j < n_vtiles
@@ -253,8 +271,24 @@ def _sparse_de_kernel(
             mask=jm[:, None] & dmask[None, :], other=0.0,
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
         corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
+        if HAS_ETA:
+            # S log S in [-1/e, 0]: the operand dtype holds it as it holds S.
+            slog = tl.where(S > 0, S * tl.log(tl.where(S > 0, S, 1.0)), 0.0)
+            corr_h = tl.dot(slog.to(Cm.dtype.element_ty), cm, corr_h, input_precision=PRECISION)
+            shsum += tl.sum(slog, axis=1)
         ssum += tl.sum(S, axis=1)
-    acc += alpha[:, None] * corr
+    if HAS_ETA:
+        # The entropy's term eta p z over a skipped tile, with the tile's p-weighted mean logit
+        # lse + log(S_ij / BLOCK_V) (the first-order model of first_order.py: sum_v p log p =
+        # S log(S / |j|) to first order in the tile's logit spread): the tile's coefficient is
+        # a_ij = alpha_i + eta_i (lse_i - log BLOCK_V) + eta_i log S_ij.
+        a0 = alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))
+        acc += a0[:, None] * corr + eta[:, None] * corr_h
+        # The first-order term's coefficient: sum_j (a_ij + eta_i) S_ij (first_order.py).
+        fsum = a0 * ssum + eta * (shsum + ssum)
+    else:
+        acc += alpha[:, None] * corr
+        fsum = alpha * ssum
     if HAS_GRAM:
         if tl.load(GFlag) != 0:
             offs_k = tl.arange(0, BLOCK_D)
@@ -270,7 +304,7 @@ def _sparse_de_kernel(
                     mask=km[:, None] & dmask[None, :], other=0.0,
                 )  # fmt: skip  # [BLOCK_D, BLOCK_DO]
                 fo = tl.dot(e, g, fo, input_precision=PRECISION)
-            acc += (alpha * ssum * tl.load(GScale))[:, None] * fo
+            acc += (fsum * tl.load(GScale))[:, None] * fo
     coef = tl.load(Coef + offs_n, mask=row_mask, other=0.0)
     ct = tl.load(
         C + tgt[:, None] * stride_c + offs_do[None, :], mask=row_mask[:, None] & dmask[None, :], other=0.0
@@ -297,15 +331,16 @@ def _sparse_de_kernel(
         "HAS_WEIGHT": lambda a: a["W"] is not None,
         "HAS_SMOOTH": lambda a: a["GE"] is not None,
         "HAS_DENSE": lambda a: a["Dense"] is not None,
+        "HAS_ETA": lambda a: a["Eta"] is not None,
     }
 )
 @triton.jit
 def _sparse_dc_kernel(
-    E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
+    E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
     Gidx, Scratch, ScaleBuf, Dense, dC,
     V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, cap, tiles_per_slab,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_DENSE: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_DENSE: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -333,12 +368,12 @@ def _sparse_dc_kernel(
         blk = tl.load(ListC + pid_v * (n_blocks + 1) + k)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = offs_n < n_valid
-        erow, tgt, lse, alpha = _block_rows(Erow, Tgt, Lse, Alpha, offs_n, row_mask)
+        erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
         gk = tl.load(Gidx + blk * n_vtiles + pid_v)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
-            E, C, Bias, erow, vid, tgt, lse, alpha, row_mask, col_mask, D, stride_e, stride_c, softcap,
-            HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
+            HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
         )  # fmt: skip
         e = tl.load(
             E + erow[:, None] * stride_e + offs_do[None, :],
@@ -439,6 +474,8 @@ def linear_ce_backward_sparse(
     move_bytes: int = 8 << 20,
     dense: torch.Tensor | None = None,
     tiles_per_slab: int = 1,
+    eta: torch.Tensor | None = None,
+    dz_bound: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
     codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
@@ -454,13 +491,20 @@ def linear_ce_backward_sparse(
     given with plan.wc / plan.ge. With ``release`` the plan's dC-only tensors are dropped once dC
     is written.
 
+    ``eta`` (fp32 [N] per sorted row, or None): the entropy's coefficient, dZ = p (alpha + eta z)
+    at the non-target entries (cce/_math.py); the skipped tiles' corrections then use each
+    tile's coefficient alpha + eta (lse + log(S_ij / BLOCK_V)) (_sparse_de_kernel), the
+    first-order terms that coefficient plus eta (first_order.py). ``dz_bound`` (fp32 [N] or None): a bound of
+    each row's max |dZ| / softcap' (backward_exact.fp16_dz_bound), for the dense slabs' fp16
+    scale where it is not max |alpha|.
+
     ``dense`` (int8 [n_slabs] on the device, or None): the slabs of ``tiles_per_slab`` tiles
     that the plan leaves out (keep 0, code 255), done by dense_slabs.run_dense_slabs after the
     sparse dC writer: their dC rows directly, their dE part through an fp32 [N, D] accumulator
     the dE writer adds (the one O(N D) buffer besides the gradients, allocated only with
     ``dense``).
     """
-    check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma)
+    check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma, eta)
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
@@ -475,7 +519,7 @@ def linear_ce_backward_sparse(
     # The problem's operands, as every kernel here takes them.
     common = dict(
         E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
-        V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), n_vtiles=n_vtiles,
+        Eta=eta, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), n_vtiles=n_vtiles,
         softcap=float(softcap), HAS_SOFTCAP=softcap > 0, SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV,
         PRECISION=prec,
     )  # fmt: skip
@@ -542,7 +586,7 @@ def linear_ce_backward_sparse(
         run_dense_slabs(
             e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
             (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
-            plan.ge if smooth else None,
+            plan.ge if smooth else None, eta=eta, dz_bound=dz_bound,
         )  # fmt: skip
     fo = plan.fo
     if need_dc and fo is not None:

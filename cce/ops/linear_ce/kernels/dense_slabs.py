@@ -11,15 +11,16 @@ slab's tiles leave the sparse plan (keep 0, code 255) and are done here, exactly
 launches per slab that return at once for a sparse slab (no host synchronisation, so a step
 stays capturable in a CUDA graph):
 
-    dZ_slab[i, k] = alpha_i p_{i, v_k} softcap'(z_{i, v_k})   non-target entries only,
-                                                              v_k = perm[v0 + k]
+    dZ_slab[i, k] = p_{i, v_k} (alpha_i [+ eta_i z_{i, v_k}]) softcap'(z_{i, v_k})
+                                  non-target entries only, v_k = perm[v0 + k]  (eta: entropy)
     dE_acc[i, :] += dZ_slab[i, :] @ C[perm[v0:v1]]            fp32 accumulator, sorted rows
     dC[perm[v0 + k], :] = dZ_slab[:, k]^T @ E[erow]           written once, c's dtype
 
 The target entries stay out of the slab: the sparse writers add every row's exact target term
 (alpha p_t - beta, in fp32). dZ is rounded once to the operand dtype, as in the exact path; fp16
-stores it times inv = 1 / max |alpha| (alpha p can sit below fp16's normal range) and the
-products are scaled back. Rows past n_valid have alpha = 0 and are stored as zeros; columns
+stores it times inv = 1 / max |alpha| (alpha p can sit below fp16's normal range; with the
+entropy's term, 1 / the max of a bound of |dZ| / softcap' per row) and the products are scaled
+back. Rows past n_valid have alpha = 0 and are stored as zeros; columns
 past V likewise (the slab buffer is reused, and a stale entry would meet a masked operand).
 """
 
@@ -56,11 +57,12 @@ def dense_config(tma: bool = False) -> tuple[int, int, int, int, int]:
 
 @triton.jit
 def _store_slab_dz(
-    L, Bias, Tgt, Lse, Alpha, Inv, DZ, offs_n, row_mask, vid, col_mask, col0, N, stride_dz, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr, BLOCK_V: tl.constexpr,
+    L, Bias, Tgt, Lse, Alpha, Eta, Inv, DZ, offs_n, row_mask, vid, col_mask, col0, N, stride_dz, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The dZ tile of logits L [BLOCK_N, BLOCK_V] (classes vid) into slab columns col0 + lane:
-    alpha p softcap' at the non-target entries, 0 elsewhere (rows past n_valid, classes past V,
+    p (alpha [+ eta z]) softcap' at the non-target entries, 0 elsewhere (rows past n_valid, classes past V,
     the targets), times inv with SCALE_DZ; rows past N are not stored."""
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
     lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
@@ -70,7 +72,13 @@ def _store_slab_dz(
     if HAS_SOFTCAP:
         L, th = jm.softcap(L, softcap)
     nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
-    dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
+    if HAS_ETA:
+        eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
+        p = tl.exp(L - lse[:, None])
+        # (L where p > 0: a class a -inf bias masks gets 0, not 0 * -inf)
+        dz = tl.where(nt, p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0)), 0.0)
+    else:
+        dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
     if HAS_SOFTCAP:
         dz *= 1.0 - th * th
     if SCALE_DZ:
@@ -80,16 +88,23 @@ def _store_slab_dz(
     tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
 
 
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "SCALE_DZ": lambda a: a["Inv"] is not None})
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "SCALE_DZ": lambda a: a["Inv"] is not None,
+        "HAS_ETA": lambda a: a["Eta"] is not None,
+    }
+)
 @triton.jit
 def _slab_dz_kernel(
     E, C, Bias,  # [*, D] hidden states, [V, D] classifier, [V] or None
     Erow, Tgt, Perm, NValid, Lse, Alpha,  # per sorted row / sorted position
+    Eta,  # [N] fp32 the entropy's coefficient per sorted row, or None
     Dense,  # [n_slabs] int8: 1 where the slab is dense
     DZ,  # [N, slab] operand dtype
     Inv,  # [1] fp32 1 / max |alpha| (fp16), or None
     N, V, D, stride_e, stride_c, stride_dz, slab, tile0, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (b, s): tile tile0 + s of the sorted vocabulary for token block b, into columns
@@ -110,18 +125,24 @@ def _slab_dz_kernel(
         E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
     )  # [BLOCK_N, BLOCK_V]
     _store_slab_dz(
-        L, Bias, Tgt, Lse, Alpha, Inv, DZ, offs_n, row_mask, vid, col_mask, s * BLOCK_V, N, stride_dz,
-        softcap, HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_V,
+        L, Bias, Tgt, Lse, Alpha, Eta, Inv, DZ, offs_n, row_mask, vid, col_mask, s * BLOCK_V, N, stride_dz,
+        softcap, HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_V,
     )  # fmt: skip
 
 
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "SCALE_DZ": lambda a: a["Inv"] is not None})
+@triton.heuristics(
+    {
+        "HAS_BIAS": lambda a: a["Bias"] is not None,
+        "SCALE_DZ": lambda a: a["Inv"] is not None,
+        "HAS_ETA": lambda a: a["Eta"] is not None,
+    }
+)
 @triton.jit
 def _slab_dz_tma_kernel(
     Ed, Cd,  # descriptors of the sorted rows E_s [N, D] and of the slab's classes C_slab [width, D]
-    Bias, Tgt, Perm, NValid, Lse, Alpha, Dense, DZ, Inv,
+    Bias, Tgt, Perm, NValid, Lse, Alpha, Eta, Dense, DZ, Inv,
     N, V, D, stride_dz, slab, v0, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """_slab_dz_kernel with its operands read by tensor descriptors (Hopper): the slab's classes
@@ -143,8 +164,8 @@ def _slab_dz_tma_kernel(
     offs_n = start + tl.arange(0, BLOCK_N)
     _offs_p, col_mask, vid = tile_cols(Perm + v0, s, V - v0, BLOCK_V)
     _store_slab_dz(
-        acc, Bias, Tgt, Lse, Alpha, Inv, DZ, offs_n, offs_n < n_valid, vid, col_mask, s * BLOCK_V, N,
-        stride_dz, softcap, HAS_BIAS, HAS_SOFTCAP, SCALE_DZ, BLOCK_V,
+        acc, Bias, Tgt, Lse, Alpha, Eta, Inv, DZ, offs_n, offs_n < n_valid, vid, col_mask, s * BLOCK_V, N,
+        stride_dz, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_V,
     )  # fmt: skip
 
 
@@ -294,6 +315,8 @@ def run_dense_slabs(
     targets_by_tile: tuple | None = None,
     weight: torch.Tensor | None = None,
     ge: torch.Tensor | None = None,
+    eta: torch.Tensor | None = None,
+    dz_bound: torch.Tensor | None = None,
 ) -> None:
     """The dense slabs' part of the gradients (module docstring): dE of the sorted rows added to
     ``de_acc`` (fp32 [N, D]), dC's rows of the dense slabs' classes written into ``dC``. ``dense``
@@ -301,7 +324,9 @@ def run_dense_slabs(
     return at once. Tiles are the forward's (config "fwd"), in ``perm`` order. With ``dC``,
     ``targets_by_tile`` = (seg, trow, tpos, tcoef) of the sparse plan: the target terms of the
     dense slabs' classes are added here, and with ``ge`` (smoothing: sum_i gamma_i e_i) the
-    smoothing term -w_v ge (``weight``: class weights, None for 1)."""
+    smoothing term -w_v ge (``weight``: class weights, None for 1). ``eta``: the entropy's
+    coefficient per sorted row (or None), ``dz_bound``: per row a bound of max |dZ| / softcap' for
+    fp16's scale (None: |alpha|)."""
     N = erow.numel()
     V, D = c.shape
     if N == 0 or V == 0 or (de_acc is None and dC is None):
@@ -319,7 +344,7 @@ def run_dense_slabs(
     DZ = torch.zeros((N, width_max), dtype=e2d.dtype, device=dev)
     scale = inv = None
     if e2d.dtype == torch.float16:
-        scale = alpha.abs().amax().clamp(min=1e-30).reshape(1)
+        scale = (alpha.abs() if dz_bound is None else dz_bound).amax().clamp(min=1e-30).reshape(1)
         inv = (1.0 / scale).contiguous()
     prec = precision(e2d.dtype)
     if dC is not None:
@@ -352,15 +377,15 @@ def run_dense_slabs(
                 )  # fmt: skip
                 _slab_dz_tma_kernel[(triton.cdiv(N, BN), nt)](
                     Ed=e_dz, Cd=c_dz, Bias=bias, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
-                    Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_dz=DZ.stride(0), slab=s, v0=v0,
-                    softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV,
+                    Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_dz=DZ.stride(0), slab=s,
+                    v0=v0, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV,
                     BLOCK_D=cfg.BLOCK_D, PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
                 de_d, dc_d = (dz_de, c_de), (dz_dc, e_dc)
             else:
                 _slab_dz_kernel[(triton.cdiv(N, BN), nt)](
                     E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse,
-                    Alpha=alpha, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
+                    Alpha=alpha, Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
                     stride_c=c.stride(0), stride_dz=DZ.stride(0), slab=s, tile0=t0, softcap=float(softcap),
                     HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,

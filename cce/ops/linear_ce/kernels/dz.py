@@ -100,10 +100,10 @@ def store_dz(
 
 # dZ of every row on a sample of classes (slab_choice.dc_norm_estimate's exact dC rows): for row i
 # and sampled class k (class id cls_k, possibly drawn more than once),
-#   L_ik = softcap(z_ik + bias_k),  dZ_ik = (alpha_i exp(L_ik - lse_i) - beta_i [cls_k == t_i]) softcap'
+#   L_ik = softcap(z_ik + bias_k),  dZ_ik = (p_ik (alpha_i [+ eta_i L_ik]) - beta_i [cls_k == t_i]) softcap'
 # from the fp32 logits z of a cuBLAS product, rounded once to the operand dtype (as the backward's
 # GEMMs read dZ). One pass over z in place of a chain of elementwise torch ops.
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
 @triton.jit
 def _class_dz_kernel(
     Z,  # [n_rows, n_cls] fp32 logits (bias not added)
@@ -111,8 +111,10 @@ def _class_dz_kernel(
     Bias,  # [n_cls] fp32 bias of the sampled classes, or None
     Cls,  # [n_cls] int64 class ids
     Tgt, Lse, Alpha, Beta,  # [n_rows] int64 / fp32 (alpha = beta = 0 at rows without a gradient)
+    Eta,  # [n_rows] fp32 the entropy's coefficient (0 at rows without a gradient), or None
     n_rows, n_cls, stride_z, stride_dz, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -130,15 +132,17 @@ def _class_dz_kernel(
     beta = tl.load(Beta + offs_n, mask=row_mask, other=0.0)
     is_t = t[:, None] == cls[None, :]
     dz, _p = dense_dz(
-        L, lse, alpha, beta, None, None, None, offs_n, cls, is_t, row_mask, col_mask, softcap, 1.0,
-        HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SMOOTH=False, HAS_WEIGHT=False, HAS_TEMP=False, HAS_ETA=False,
+        L, lse, alpha, beta, None, None, Eta, offs_n, cls, is_t, row_mask, col_mask, softcap, 1.0,
+        HAS_SOFTCAP=HAS_SOFTCAP, FOLD_SMOOTH=False, HAS_WEIGHT=False, HAS_TEMP=False, HAS_ETA=HAS_ETA,
     )  # fmt: skip
     tl.store(DZ + rows64 * stride_dz + offs_v[None, :], dz.to(DZ.dtype.element_ty), mask=mask2)
 
 
-def class_sample_dz(z, cls, tgt, lse, alpha, beta, bias_cls, softcap: float, dtype) -> torch.Tensor:
-    """dZ [n_rows, n_cls] in ``dtype`` of the rows (tgt, lse, alpha, beta: [n_rows]) on the
-    classes ``cls`` from their fp32 logits z (bias_cls: fp32 [n_cls] or None); see above."""
+def class_sample_dz(
+    z, cls, tgt, lse, alpha, beta, bias_cls, softcap: float, dtype, eta=None
+) -> torch.Tensor:  # fmt: skip
+    """dZ [n_rows, n_cls] in ``dtype`` of the rows (tgt, lse, alpha, beta, eta or None: [n_rows])
+    on the classes ``cls`` from their fp32 logits z (bias_cls: fp32 [n_cls] or None); see above."""
     n_rows, n_cls = z.shape
     dz = torch.empty((n_rows, n_cls), dtype=dtype, device=z.device)
     if n_rows == 0 or n_cls == 0:
@@ -147,8 +151,8 @@ def class_sample_dz(z, cls, tgt, lse, alpha, beta, bias_cls, softcap: float, dty
     grid = (triton.cdiv(n_rows, BLOCK_N), triton.cdiv(n_cls, BLOCK_V))
     with device_context(z.device):
         _class_dz_kernel[grid](
-            Z=z, DZ=dz, Bias=bias_cls, Cls=cls, Tgt=tgt, Lse=lse, Alpha=alpha, Beta=beta, n_rows=n_rows,
-            n_cls=n_cls, stride_z=z.stride(0), stride_dz=dz.stride(0), softcap=softcap,
+            Z=z, DZ=dz, Bias=bias_cls, Cls=cls, Tgt=tgt, Lse=lse, Alpha=alpha, Beta=beta, Eta=eta,
+            n_rows=n_rows, n_cls=n_cls, stride_z=z.stride(0), stride_dz=dz.stride(0), softcap=softcap,
             HAS_SOFTCAP=softcap > 0, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
         )  # fmt: skip
     return dz

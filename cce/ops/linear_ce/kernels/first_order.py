@@ -22,6 +22,14 @@ separable into a row and a tile factor:
                                                               r_j = m_j / sum_j m_j
 
 (S_i = sum_j S_ij over the row's skipped tiles, m_j = sum_i S_ij over the tile's skipped rows).
+
+With the entropy's term (dZ_iv = p_iv (alpha_i + eta_i z_iv), cce/_math.py) the same expansion,
+z_iv = lse_i + log p_iv and log p_iv ~ log(S_ij / |j|) + x_iv, gives
+
+    dZ_iv ~ (S_ij / |j|) (a_ij + (a_ij + eta_i) x_iv),   a_ij = alpha_i + eta_i (lse_i + log(S_ij / |j|))
+
+(the rank-1 corrections take a_ij, backward_sparse.py), so alpha_i S_i above becomes
+sum_j (a_ij + eta_i) S_ij, in the dE term and in H alike (r_j stays the mass's spread).
 Cost: Gbar V D^2 multiply-adds (symmetric, upper tiles only), H 2 N D^2, the dC term 2 V D^2,
 the dE term 2 N D^2 inside the dE writer: about 2 D / N of a logits pass, so the device turns
 them on only where the measured error needs it and they cost less than dense slabs

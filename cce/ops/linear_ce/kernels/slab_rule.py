@@ -256,15 +256,38 @@ def slab_flags(
 
 
 @triton.jit
+def skipped_coef(S, alpha, eta, lse, BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr):
+    """a S: a skipped tile's correction coefficient times its decoded mass S (any shape, alpha,
+    eta, lse broadcast to it): alpha S, and with the entropy's term (HAS_ETA)
+    (alpha + eta (lse + log(S / BLOCK_V))) S, the tile's p-weighted mean logit taken to first order
+    (backward_sparse._sparse_de_kernel)."""
+    if HAS_ETA:
+        slog = tl.where(S > 0, S * tl.log(tl.where(S > 0, S, 1.0)), 0.0)
+        return (alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))) * S + eta * slog
+    return alpha * S
+
+
+@triton.heuristics({"HAS_ETA": lambda a: a["Eta"] is not None})
+@triton.jit
 def _row_mass_kernel(
     Code,  # [N, nt] uint8: encode_tile_stats' codes (255: no mass)
     Alpha,  # [N] fp32
-    Out,  # [N] fp32: |alpha_i| sum_j S'_ij
+    Eta, Lse,  # [N] fp32 the entropy's coefficient and the rows' lse, or None
+    Out,  # [N] fp32: sum_j |a_ij S'_ij|
     N, nt, stride_code, STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr,
 ):  # fmt: skip
-    """Out[i] = |alpha_i| times the row's decoded skipped mass (tile_stats.decode_tile_mass)."""
+    """Out[i] = sum_j |a_ij S'_ij|, the row's decoded skipped masses (tile_stats.decode_tile_mass)
+    times their corrections' coefficients (skipped_coef; |alpha_i| sum_j S'_ij without eta)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < N
+    a = tl.load(Alpha + offs_r, mask=rmask, other=0.0)
+    if HAS_ETA:
+        eta = tl.load(Eta + offs_r, mask=rmask, other=0.0)
+        lse = tl.load(Lse + offs_r, mask=rmask, other=0.0)
+    else:
+        eta = a
+        lse = a
     acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)  # [BLOCK_R, BLOCK_T]
     for t0 in range(0, nt, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -272,14 +295,29 @@ def _row_mass_kernel(
         x = tl.load(
             Code + offs_r.to(tl.int64)[:, None] * stride_code + offs_t[None, :], mask=m, other=255
         ).to(tl.float32)
-        acc += tl.where(x < 255.0, tl.exp(-x / STEPS), 0.0)
-    a = tl.abs(tl.load(Alpha + offs_r, mask=rmask, other=0.0))
-    tl.store(Out + offs_r, tl.sum(acc, axis=1) * a, mask=rmask)
+        S = tl.where(x < 255.0, tl.exp(-x / STEPS), 0.0)
+        if HAS_ETA:
+            acc += tl.abs(skipped_coef(S, a[:, None], eta[:, None], lse[:, None], BLOCK_V, HAS_ETA))
+        else:
+            acc += S
+    if HAS_ETA:
+        tl.store(Out + offs_r, tl.sum(acc, axis=1), mask=rmask)
+    else:
+        tl.store(Out + offs_r, tl.sum(acc, axis=1) * tl.abs(a), mask=rmask)
 
 
-def row_masses(code: torch.Tensor, alpha: torch.Tensor, steps: float) -> torch.Tensor:
+def row_masses(
+    code: torch.Tensor,
+    alpha: torch.Tensor,
+    steps: float,
+    eta: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    block_v: int = 1,
+) -> torch.Tensor:
     """fp32 [N]: |alpha_i| sum_j S'_ij, the decoded skipped masses (``steps`` per nat of the
-    codes, tile_stats.STATS_STEPS) of each row of ``code`` [N, nt] times |alpha|; one launch."""
+    codes, tile_stats.STATS_STEPS) of each row of ``code`` [N, nt] times |alpha|; with ``eta``
+    (and the rows' ``lse``, tiles of ``block_v`` classes) sum_j |a_ij S'_ij| (skipped_coef);
+    one launch."""
     N, nt = code.shape
     out = torch.empty(N, dtype=torch.float32, device=code.device)
     if N == 0:
@@ -287,8 +325,8 @@ def row_masses(code: torch.Tensor, alpha: torch.Tensor, steps: float) -> torch.T
     BR, BT = (16, 16) if interpreting() else (32, 128)
     with device_context(code.device):
         _row_mass_kernel[(triton.cdiv(N, BR),)](
-            Code=code, Alpha=alpha, Out=out, N=N, nt=nt, stride_code=code.stride(0), STEPS=steps,
-            BLOCK_R=BR, BLOCK_T=BT,
+            Code=code, Alpha=alpha, Eta=eta, Lse=lse, Out=out, N=N, nt=nt, stride_code=code.stride(0),
+            STEPS=steps, BLOCK_R=BR, BLOCK_T=BT, BLOCK_V=block_v,
         )  # fmt: skip
     return out
 
@@ -408,24 +446,27 @@ def systematic_sample(
     return pos, wt
 
 
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
+@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["EtaS"] is not None})
 @triton.jit
 def _sampled_dz_kernel(
     Z,  # [k, V] fp32: the sampled rows' logits e_m . c_v, class order (bias not added)
-    Bias, Vperm, Pos, Ok, AlphaS, BetaS, TS, LseS, Code, Keep,
+    Bias, Vperm, Pos, Ok, AlphaS, BetaS, EtaS, TS, LseS, Code, Keep,
     W2,  # [2k, nt BLOCK_V] fp32 out, sorted positions: rows [0, k) the corrections' error weights, [k, 2k) dZ
     S,  # [k, nt] fp32 out: alpha_m S'_mj, the decoded skipped mass of row m in tile j (0 where kept)
+    SF,  # [k, nt] fp32 out with EtaS: (a_mj + eta_m) S'_mj, the first-order terms' weight; or None
     k, V, nt, stride_z, stride_w, stride_code, stride_keep, softcap,
     STEPS: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    HAS_ETA: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One sampled row m (sorted row Pos[m], weight Ok[m]: its scale, 0 past the valid rows) and
     one tile j of the sorted vocabulary (slab_choice.slab_errors):
 
-        dZ_mv = (a_m p_mv - b_m [v == t_m]) softcap'(z_mv)    (a, b = alpha, beta times Ok)
+        dZ_mv = (p_mv (a_m [+ h_m z_mv]) - b_m [v == t_m]) softcap'(z_mv)
+                                      (a, b, h = alpha, beta, eta times Ok; eta: EtaS or None)
         W2[k + m, p] = dZ_m,vperm[p]
         W2[m, p]     = [tile j skipped for the row's block] dZ_m,vperm[p] (target entry 0) - S[m, j] / |j|
-        S[m, j]      = a_m S'_{Pos[m], j}
+        S[m, j]      = a_m S'_{Pos[m], j}   (with eta: skipped_coef, the sparse backward's correction)
+        SF[m, j]     = S[m, j] + h_m S'_{Pos[m], j}  (with eta: the first-order terms' weight)
 
     (so that W2[m] times C summed over a slab is what its rank-1 corrections get wrong, and
     W2[k + m] times C the row's exact dE); positions past V are 0."""
@@ -448,10 +489,19 @@ def _sampled_dz_kernel(
         d = 1.0 - th * th
     else:
         d = 1.0
-    dz = tl.where(pm, a * tl.exp(z - lse) * d, 0.0)
+    if HAS_ETA:
+        h = tl.load(EtaS + row) * ok
+        p = tl.exp(z - lse)
+        dz = tl.where(pm, p * (a + h * tl.where(p > 0, z, 0.0)) * d, 0.0)
+    else:
+        h = a
+        dz = tl.where(pm, a * tl.exp(z - lse) * d, 0.0)
     is_t = (v == t) & pm
     code = tl.load(Code + row.to(tl.int64) * stride_code + j).to(tl.float32)
-    s = tl.where(code < 255.0, tl.exp(-code / STEPS), 0.0) * a
+    mass = tl.where(code < 255.0, tl.exp(-code / STEPS), 0.0)
+    s = skipped_coef(mass, a, h, lse, BLOCK_V, HAS_ETA)
+    if HAS_ETA:
+        tl.store(SF + m * nt + j, s + h * mass)
     skipped = tl.load(Keep + (row // BLOCK_N) * stride_keep + j) == 0
     size = tl.minimum(V - j * BLOCK_V, BLOCK_V).to(tl.float32)
     full = dz - tl.where(is_t, b * d, 0.0)
@@ -463,22 +513,24 @@ def _sampled_dz_kernel(
 
 def sampled_dz(
     z, bias, vperm, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap: float, BLOCK_N: int,
-    BLOCK_V: int, steps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(W2 fp32 [2k, nt BLOCK_V], S fp32 [k, nt]) of slab_choice.slab_errors' sampled rows from
-    their logits ``z`` (fp32 [k, V], class order): the comment of _sampled_dz_kernel. One launch
-    in place of some thirty torch ops."""
+    BLOCK_V: int, steps: float, eta_s=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(W2 fp32 [2k, nt BLOCK_V], S fp32 [k, nt], SF fp32 [k, nt]) of slab_choice.slab_errors'
+    sampled rows from their logits ``z`` (fp32 [k, V], class order): the comment of
+    _sampled_dz_kernel. One launch in place of some thirty torch ops. ``eta_s``: the entropy's
+    coefficient per sorted row, or None (then SF is S)."""
     k, V = z.shape
     nt = code.shape[1]
     w2 = torch.empty((2 * k, nt * BLOCK_V), dtype=torch.float32, device=z.device)
     S = torch.empty((k, nt), dtype=torch.float32, device=z.device)
+    SF = None if eta_s is None else torch.empty_like(S)
     if k and nt:
         with device_context(z.device):
             _sampled_dz_kernel[(k, nt)](
-                Z=z, Bias=bias, Vperm=vperm, Pos=pos, Ok=ok, AlphaS=alpha_s, BetaS=beta_s, TS=t_s, LseS=lse_s,
-                Code=code, Keep=keep, W2=w2, S=S, k=k, V=V, nt=nt, stride_z=z.stride(0),
-                stride_w=w2.stride(0), stride_code=code.stride(0), stride_keep=keep.stride(0),
-                softcap=float(softcap), STEPS=steps,
+                Z=z, Bias=bias, Vperm=vperm, Pos=pos, Ok=ok, AlphaS=alpha_s, BetaS=beta_s, EtaS=eta_s,
+                TS=t_s, LseS=lse_s, Code=code, Keep=keep, W2=w2, S=S, SF=SF, k=k, V=V, nt=nt,
+                stride_z=z.stride(0), stride_w=w2.stride(0), stride_code=code.stride(0),
+                stride_keep=keep.stride(0), softcap=float(softcap), STEPS=steps,
                 BLOCK_N=BLOCK_N, HAS_SOFTCAP=softcap > 0, BLOCK_V=BLOCK_V,
             )  # fmt: skip
-    return w2, S
+    return w2, S, S if SF is None else SF
