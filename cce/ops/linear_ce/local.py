@@ -35,8 +35,7 @@ def block_stats(
 ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
     """(lse, tgt, ssum or None, entropy or None, argmax or None) per problem row of the block;
     the first four fp32, 0 at ignored rows; through ``impl``'s single-device forward op, so that
-    autograd runs its backward (an upstream gradient on the entropy included: the op then runs
-    its exact backward, as on one device).
+    autograd runs its backward (an upstream gradient on the entropy included, as on one device).
 
     The op's block problem has reduction "none", no z-loss, and label smoothing 1 when the rank
     needs ssum (0 otherwise, and no class weights). Its per-row outputs are then (cce/_math.py,

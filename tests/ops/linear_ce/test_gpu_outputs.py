@@ -189,8 +189,9 @@ def test_entropy_bonus_step_captures_and_compiles(temperature):
     N, D, V = 1024, 512, 16000
     tuning = SPARSE if temperature == 1.0 else cce.Tuning()
 
+    opts = cce.CCEOptions(impl="triton", temperature=temperature, return_entropy=True, tuning=tuning)
+
     def step(e, c, t):
-        opts = cce.CCEOptions(impl="triton", temperature=temperature, return_entropy=True, tuning=tuning)
         out = cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
         return out.loss - 0.01 * out.entropy.mean()
 
