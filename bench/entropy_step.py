@@ -3,9 +3,10 @@ against the loss alone, in one process: interleaved rounds of ``triton.testing.d
 the forward + backward, medians; the peak memory above the inputs; dE / dC errors against the
 fp32 reference of each objective (bench.reference.linear_reference, ``entropy_coef``).
 
-    python -m bench.entropy_step [--rounds 5] [--rep-ms 150] [--out DIR]
+    python -m bench.entropy_step [--data zipf,random] [--rounds 5] [--rep-ms 150] [--out DIR]
 
-bf16, N = 8192, gemma2-2b and llama3-8b heads, zipf and random data (bench.data), cce's defaults;
+bf16, N = 8192, gemma2-2b and llama3-8b heads, zipf and random data by default (``--data``: any of
+bench.data.ALL_REGIMES; real and init train / build a small GPT in the run), cce's defaults;
 the same objective with ``filter_eps=None`` (the exact backward) beside it. Writes
 ``<gpu>_<date>_entropy-step.json`` to ``--out`` (default bench/results/).
 """
@@ -23,7 +24,7 @@ import torch
 
 import cce
 
-from .data import make_inputs
+from .data import ALL_REGIMES, make_inputs
 from .providers import versions
 from .reference import linear_reference, rel_l2
 
@@ -51,11 +52,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--data", default="zipf,random", help=f"comma list of {', '.join(ALL_REGIMES)}")
     a = ap.parse_args()
+    regimes = [x.strip() for x in a.data.split(",") if x.strip()]
+    for x in regimes:
+        if x not in ALL_REGIMES:
+            ap.error(f"unknown data regime {x!r}: one of {', '.join(ALL_REGIMES)}")
     kinds = ("loss", "bonus", "bonus_exact")
     rows = []
     for name, (N, D, V) in SHAPES.items():
-        for regime in ("zipf", "random"):
+        for regime in regimes:
             e0, c0, t = make_inputs(N, D, V, regime, device="cuda", seed=0)
             e, c = e0.detach().requires_grad_(), c0.detach().requires_grad_()
             refs = {
