@@ -115,7 +115,9 @@ def linear_backward(
 
     A ``temperature`` other than 1 takes the exact (or fused) path: the filtered backwards'
     kernels and tile statistics take none. (An entropy output's gradient, known only in the
-    backward, makes the op run the exact backward there: cce/ops/linear_ce/triton_impl.py.)"""
+    backward, is part of the sparse backward's dZ; after the fused forward, or where the
+    recomputing backward was chosen, the op runs the exact backward for it:
+    cce/ops/linear_ce/triton_impl.py.)"""
     exact = "fused" if fused_ok else "exact"
     if filter_eps <= 0 or temperature != 1.0:
         return exact

@@ -146,8 +146,10 @@ def linear_cross_entropy(
         return_accuracy: also return the share of non-ignored tokens whose argmax is the target.
             With any of these four the result is a :class:`cce.LossOutputs` (loss first; the
             outputs' conventions at ignored tokens are documented there). A temperature other
-            than 1 takes the exact backward (no gradient filtering); the outputs, and
-            gradients through the log-probabilities or the entropy, keep the filtered one.
+            than 1 takes the exact backward (no gradient filtering). With impl="triton" the
+            outputs, and gradients through the log-probabilities or the entropy, keep the
+            sparse (filtered) backward; with impl="torch", or where the fused or recomputing
+            path was chosen, a gradient through the entropy runs an exact one.
         process_group: vocabulary parallelism: ``c`` (and ``bias`` / ``weight``) are this rank's
             contiguous block of classifier rows, ``e`` and ``targets`` (global ids) are the same
             on every rank (see :mod:`cce.distributed`). A ``DTensor`` ``c`` sharded ``Shard(0)``

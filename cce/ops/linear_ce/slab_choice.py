@@ -80,6 +80,7 @@ def sample_rows(
     eta_s: torch.Tensor | None = None,
     lse_s: torch.Tensor | None = None,
     block_v: int = 1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pos, scale): k sorted-row positions and per-position weights, on the device.
 
@@ -97,7 +98,7 @@ def sample_rows(
     if N <= k:
         return torch.arange(N, device=dev), torch.ones(N, dtype=torch.float32, device=dev)
     # Two launches (kernels/slab_rule.py): host time of a step at small N.
-    m = row_masses(code, alpha_s, STATS_STEPS, eta_s, lse_s, block_v)
+    m = row_masses(code, alpha_s, STATS_STEPS, eta_s, lse_s, block_v, softcap)
     return systematic_sample(m, n_valid, k, rows=True, share=UNIFORM_SHARE)
 
 
@@ -138,7 +139,8 @@ def slab_errors(
 
     With ``cm`` (fp32 [n_tiles, D], the tile means of the sorted vocabulary) also fo[s, i], the
     part of the first-order term (kernels/first_order.py) that slab s's skipped tiles give dE_i:
-    (alpha_i S'_is / V) G e_i, S'_is the row's decoded mass in the slab and G e_i =
+    (F_is / V) G e_i, F_is = alpha_i S'_is (with the entropy's term, sum_{j in s} (a_ij + eta_i)
+    S'_ij, kernels/first_order.py), S'_is the row's decoded mass in the slab and G e_i =
     sum_v (e_i . (c_v - mean(C_j(v)))) c_v computed exactly for the row (so err - fo is what the
     corrections with that term get wrong).
 
@@ -160,7 +162,7 @@ def slab_errors(
     """
     N, nt = code.shape
     V, D = c.shape
-    pos, scale = sample_rows(code, alpha_s, n_valid, rows, eta_s, lse_s, BLOCK_V)
+    pos, scale = sample_rows(code, alpha_s, n_valid, rows, eta_s, lse_s, BLOCK_V, softcap)
     k = pos.numel()
     ok = (pos < n_valid.long()).float() * scale
     vp = vperm.long()
@@ -271,7 +273,7 @@ def dc_error_terms(
     # Without the first-order terms: the correction spread by q (triton_backward._dc_inputs).
     sc = torch.full((nt * BLOCK_V,), float("-inf"), dtype=f32, device=dev)
     sc[:V] = vscore
-    q = torch.softmax(sc.view(nt, BLOCK_V), dim=1)  # [nt, BLOCK_V]
+    q = torch.softmax(sc.view(nt, BLOCK_V), dim=1).nan_to_num_(0.0)  # [nt, BLOCK_V]; masked tiles 0
     wq = (w.view(k, nt, BLOCK_V) + S[:, :, None] * (inv_size[None] - q[None])).view(k, -1)
     dc_err = per_slab(wq)
     del wq

@@ -18,7 +18,7 @@ from ...options import DEFAULT_TUNING as _T
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
-from .kernels.common import inverse_permutation, slab_tiles, stats_blocks, tile_sizes
+from .kernels.common import inverse_permutation, skipped_slog_torch, slab_tiles, stats_blocks, tile_sizes
 from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, tile_means
@@ -189,14 +189,17 @@ def sparse_backward(
 
     With ``delta`` the entropy's term eta p z is part of dZ (cce/_math.py): kept tiles and the
     target entries carry it exactly, a skipped tile j of row i through the coefficient
-    alpha_i + eta_i (lse_i + log(S_ij / |tile|)) of its rank-1 correction (its p-weighted mean
-    logit to first order, kernels/backward_sparse.py), and the dense-slab rule measures the
+    a_ij = alpha_i + eta_i zbar_ij of its rank-1 correction, zbar_ij = lse_i + log(S_ij /
+    BLOCK_V) its p-weighted mean logit to first order (with softcap, solved for the codes'
+    softcap' factor: kernels.common.skipped_slog), and the dense-slab rule measures the
     corrections with that term; the first-order terms weigh a row's skipped tiles by a_ij + eta_i
     (kernels/first_order.py).
     """
     V, D = c.shape
     dev = e2d.device
     f32 = torch.float32
+    if delta is not None and entropy is None:
+        raise ValueError("an upstream gradient of the entropy (delta) needs the entropy's values")
     alpha, beta, gamma, eta, smooth = loss_coefficients(
         weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u, delta, entropy
     )
@@ -268,7 +271,7 @@ def sparse_backward(
             wc = weighted_rows(w, c)
     if need_dc:
         dc_in = _dc_inputs(
-            e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo, eta_s, lse_s
+            e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo, eta_s, lse_s, softcap
         )
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
@@ -315,16 +318,18 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
 
 def _dc_inputs(
     e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None, fo=None, eta_s=None,
-    lse_s=None,
+    lse_s=None, softcap: float = 0.0,
 ):  # fmt: skip
     """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
-    kernels.backward_sparse.SparsePlan. With ``eta_s`` (and ``lse_s``) a skipped tile's mass
-    carries the entropy's coefficient alpha_i + eta_i (lse_i + log(S_ij / BV)), as in dE.
+    kernels.backward_sparse.SparsePlan. With ``eta_s`` (and ``lse_s``, ``softcap``) a skipped
+    tile's mass carries the entropy's coefficient alpha_i + eta_i zbar_ij, as in dE
+    (kernels.common.skipped_slog).
 
     ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
     count. Built in this function so that nothing but the plan holds them (the launcher releases them
     once dC is written, before dE and the tile means are allocated). With ``fo`` (FirstOrder)
-    also its dC operands H = sum_i alpha_i S_i e_i e_i^T, rate and tile_of, and where its flag is
+    also its dC operands H = sum_i F_i e_i e_i^T (F_i = alpha_i S_i, with eta
+    sum_j (a_ij + eta_i) S_ij), rate and tile_of, and where its flag is
     set the zeroth-order spread q is uniform over the tile (the first-order term carries what
     the mean-row softmax spread would)."""
     N, nt = code.shape
@@ -333,10 +338,10 @@ def _dc_inputs(
     pos = torch.arange(N, device=dev)
     valid_s = pos < r.n_valid
     list_c, cnt_c = compact_lists(keep.T.contiguous())
-    # G_j = sum_i alpha_i S_ij e_i over the rows whose tile j is skipped.
+    # G_j = sum_i a_ij S_ij e_i over the rows whose tile j is skipped (a_ij = alpha_i without eta).
     G = torch.zeros(nt, D, dtype=f32, device=dev)
     if fo is not None:
-        srow = torch.empty(N, dtype=f32, device=dev)  # alpha_i S_i
+        srow = torch.empty(N, dtype=f32, device=dev)  # F_i: alpha_i S_i, with eta sum_j (a_ij + eta_i) S_ij
         mass = torch.zeros(nt, dtype=f32, device=dev)
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
     step = _chunk_rows(nt, D, e2d.element_size())
@@ -348,8 +353,8 @@ def _dc_inputs(
             M = M * live[None, :]
         S = M * alpha_s[s:t, None]  # alpha is 0 at ignored rows
         if eta_s is not None:  # (eta is 0 at ignored rows too)
-            h = eta_s[s:t, None]
-            S += M * (h * (lse_s[s:t, None] - math.log(BV))) + torch.xlogy(M, M) * h
+            h, ls = eta_s[s:t, None], lse_s[s:t, None]
+            S += M * (h * (ls - math.log(BV))) + skipped_slog_torch(M, ls, softcap, BV) * h
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
             G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
@@ -361,7 +366,8 @@ def _dc_inputs(
     # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
     sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
     sc[:V] = vscore
-    q = torch.softmax(sc.view(nt, BV), dim=1).reshape(-1)[:V]
+    # (A tile of classes a -inf bias masks: softmax NaN, and no mass to spread: q 0 there.)
+    q = torch.softmax(sc.view(nt, BV), dim=1).nan_to_num_(0.0).reshape(-1)[:V]
     inv = inverse_permutation(vperm.long())
     if fo is not None:
         cnt = tile_sizes(V, BV, dev)

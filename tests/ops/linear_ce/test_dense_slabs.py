@@ -14,6 +14,8 @@ target.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ from cce.ops.linear_ce.rows import RowOrder  # noqa: E402
 from cce.ops.linear_ce.slab_choice import (  # noqa: E402
     ERROR_ROWS,
     UNIFORM_SHARE,
+    dc_norm_estimate,
     dense_slab_flags,
     sample_rows,
     slab_errors,
@@ -71,20 +74,38 @@ def _oracle(e, c, t, bias=None, weight=None, *, seed=5, **opts):
     return loss.detach(), ee.grad, cc.grad
 
 
-def _setup(N, D, V, *, seed, eps, tuning, bias=None, softcap=0.0, ignore=6):
-    """Forward statistics and the sorted rows' quantities the slab choice reads."""
+def _logits64(e, c, bias, softcap):
+    """float64 (softcapped) logits and softcap' of rows e."""
+    z = e.double() @ c.double().T
+    if bias is not None:
+        z = z + bias.double()
+    d = torch.ones_like(z)
+    if softcap:
+        th = torch.tanh(z / softcap)
+        z, d = softcap * th, 1 - th * th
+    return z, d
+
+
+def _setup(N, D, V, *, seed, eps, tuning, bias=None, softcap=0.0, ignore=6, delta=None):
+    """Forward statistics and the sorted rows' quantities the slab choice reads; with ``delta``
+    (an upstream gradient of the entropy) also the entropy's coefficient ``eta_s``."""
     e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=seed)
     if ignore:
         t[::ignore] = -100
     out = _fwd(e, c, bias, t, eps, tuning, softcap=softcap)
     r = RowOrder(t, None, -100)
     g = torch.rand(N, generator=torch.Generator().manual_seed(seed))
-    alpha, beta, *_ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V)
+    ent = None
+    if delta is not None:
+        z, _ = _logits64(e, c, bias, softcap)
+        ent = (torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)).float()
+    alpha, beta, _, eta, _ = loss_coefficients(None, t, out[1], g, None, -100, 0.0, 0.0, V, None, delta, ent)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     s = {
         "e": e, "c": c, "bias": bias, "t": t, "r": r, "code": out[2], "keep": out[3].bool(), "lse": out[1],
         "vperm": out[5], "alpha_s": srt(alpha.float()), "beta_s": srt(beta.float()), "t_s": srt(r.safe_t),
         "lse_s": srt(out[1]), "softcap": softcap, "g": g, "out": out,
+        "eta_s": None if eta is None else srt(eta.float()),
     }  # fmt: skip
     return s
 
@@ -93,41 +114,90 @@ def _errors(s, width, rows=ERROR_ROWS):
     BN, BV = stats_blocks(torch.float32)
     return slab_errors(
         s["e"], s["c"], s["bias"], s["r"].erow_s, s["t_s"], s["lse_s"], s["alpha_s"], s["beta_s"], s["code"],
-        s["keep"], s["vperm"], s["r"].n_valid, s["softcap"], BN, BV, width, rows,
+        s["keep"], s["vperm"], s["r"].n_valid, s["softcap"], BN, BV, width, rows, eta_s=s["eta_s"],
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("softcap,bias", [(0.0, False), (4.0, True)])
-def test_slab_errors_against_float64(softcap, bias):
+def _mean_logit64(S, lse, softcap, BV):
+    """float64: a skipped tile's p-weighted mean logit as the sparse backward models it,
+    lse + log(S / BV), and with softcap (S then holds sum p softcap') the root of
+    zbar + log(1 - (zbar / softcap)^2) = lse + log(S / BV) below z* = sqrt(1 + softcap^2) - 1
+    (bisection, not the kernels' Newton steps); 0 where S = 0 (unused there)."""
+    base = lse + torch.log(torch.where(S > 0, S, 1.0)) - math.log(BV)
+    z = base
+    if softcap:
+        lo = torch.full_like(base, -softcap * (1 - 1e-6))
+        hi = torch.full_like(base, math.sqrt(1 + softcap**2) - 1)
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            up = mid + torch.log(1 - (mid / softcap) ** 2) < base
+            lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
+        z = (lo + hi) / 2
+    return torch.where(S > 0, z, 0.0)
+
+
+@pytest.mark.parametrize("softcap,bias,entropy", [(0.0, False, False), (4.0, True, False), (0.0, False, True),
+                                                  (4.0, True, True)])  # fmt: skip
+def test_slab_errors_against_float64(softcap, bias, entropy):
     """slab_errors: each sampled row's corrections error per slab and its exact dZ @ C, against a
     float64 recomputation from the forward's codes and keep flags (ignored rows, a partial last
-    tile and slab, bias and softcap). fp32 products over at most 700 classes: 1e-5 of |ref|."""
+    tile and slab, bias and softcap). With ``entropy`` an upstream gradient on the entropy too:
+    dZ = p (alpha + eta z) softcap', a skipped tile's coefficient alpha + eta zbar
+    (_mean_logit64), the rows sampled by sum_j |a_ij S'_ij|. fp32 products over at most 700
+    classes: 1e-5 of |ref|."""
     N, D, V = 90, 32, 700
     b = 0.3 * torch.randn(V, generator=torch.Generator().manual_seed(4)) if bias else None
-    s = _setup(N, D, V, seed=1, eps=2e-3, tuning=Tuning(backward="sparse"), bias=b, softcap=softcap)
+    delta = -0.5 * torch.rand(N, generator=torch.Generator().manual_seed(2)) if entropy else None
+    s = _setup(
+        N, D, V, seed=1, eps=2e-3, tuning=Tuning(backward="sparse"), bias=b, softcap=softcap, delta=delta
+    )
     BN, BV = stats_blocks(torch.float32)
     width = 2 * BV
     err, ref = _errors(s, width, rows=20)[:2]
     r = s["r"]
-    pos, scale = sample_rows(s["code"], s["alpha_s"], r.n_valid, 20)
-    E = s["e"].double()[r.erow_s[pos]]
-    z = E @ s["c"].double().T
-    if b is not None:
-        z = z + b.double()
-    d = torch.ones_like(z)
-    if softcap:
-        th = torch.tanh(z / softcap)
-        z, d = softcap * th, 1 - th * th
+    pos, scale = sample_rows(s["code"], s["alpha_s"], r.n_valid, 20, s["eta_s"], s["lse_s"], BV, softcap)
+    z, d = _logits64(s["e"][r.erow_s[pos]], s["c"], b, softcap)
     ok = (pos < r.n_valid).double()[:, None] * scale.double()[:, None]
     a, be = s["alpha_s"].double()[pos, None] * ok, s["beta_s"].double()[pos, None] * ok
-    dz = a * torch.exp(z - s["lse_s"].double()[pos, None]) * d
+    h = torch.zeros_like(a) if delta is None else s["eta_s"].double()[pos, None] * ok
+    ls = s["lse_s"].double()[pos, None]
+    dz = torch.exp(z - ls) * (a + h * z) * d
     t = s["t_s"][pos]
     full = dz.clone()
     full[torch.arange(20), t] -= be[:, 0] * d[torch.arange(20), t]
     dz[torch.arange(20), t] = 0
     C = s["c"].double()
     perm = s["vperm"].long()
-    S = decode_tile_mass(s["code"][pos]).double() * a
+    M = decode_tile_mass(s["code"][pos]).double()
+    S = M * (a + h * _mean_logit64(M, ls, softcap, BV))
+    if entropy:
+        # The rows' sampling weights sum_j |a_ij S'_ij| (sample_rows: pi = share / n + (1 - share)
+        # m / sum(m), scale = 1 / sqrt(k pi)); and ||dC||^2 from every class's exact column.
+        Ma = decode_tile_mass(s["code"]).double()
+        zbar = _mean_logit64(Ma, s["lse_s"].double()[:, None], softcap, BV)
+        m = (Ma * (s["alpha_s"].double()[:, None] + s["eta_s"].double()[:, None] * zbar)).abs().sum(1)
+        m = m * (torch.arange(N) < r.n_valid)
+        pi = UNIFORM_SHARE / int(r.n_valid) + (1 - UNIFORM_SHARE) * m / m.sum()
+        assert torch.allclose(scale.double(), 1 / (20 * pi[pos]).sqrt(), rtol=1e-4)
+        est = dc_norm_estimate(
+            s["e"], s["c"], b, r.erow_s, s["t_s"], s["lse_s"], s["alpha_s"], s["beta_s"], r.n_valid,
+            s["vperm"].long(), softcap, head=V, tail=0, eta_s=s["eta_s"],
+        )  # fmt: skip
+        ee, cc = s["e"].double(), s["c"].double().requires_grad_()
+        b64 = None if b is None else b.double()
+        o = linear_cross_entropy_reference(
+            ee,
+            cc,
+            s["t"],
+            b64,
+            dtype=torch.float64,
+            softcap=softcap or None,
+            reduction="none",
+            return_entropy=True,
+        )
+        ((o.loss * s["g"].double()).sum() + (o.entropy * delta.double()).sum()).backward()
+        # (dZ rounded to fp32 operands, fp32 products over N = 90 rows)
+        assert abs(float(est) / float(cc.grad.square().sum()) - 1) < 1e-4
     nt = s["code"].shape[1]
     want = torch.zeros(err.shape, dtype=torch.float64)
     for j in range(nt):

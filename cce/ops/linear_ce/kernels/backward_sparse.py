@@ -28,6 +28,7 @@ from .common import (
     device_context,
     logit_tile,
     precision,
+    skipped_slog,
     stats_blocks,
     sub_dc_smoothing,
     tile_cols,
@@ -216,9 +217,9 @@ def _sparse_de_kernel(
     [+ alpha_i S_i (e_i @ Gbar), S_i = sum_j S_ij, where GFlag is nonzero: the first-order term
     of first_order.py, Gram = Gbar / GScale in the operand dtype, or None].
     With Eta (the entropy's coefficient per sorted row, or None) the kept tiles' dZ carry
-    eta p z, a skipped tile's mass S_ij the coefficient a_ij = alpha_i + eta_i (lse_i +
-    log(S_ij / BLOCK_V)) instead of alpha_i, and the first-order term sum_j (a_ij + eta_i) S_ij
-    instead of alpha_i S_i (first_order.py).
+    eta p z, a skipped tile's mass S_ij the coefficient a_ij = alpha_i + eta_i zbar_ij instead of
+    alpha_i (zbar_ij its mean logit, common.skipped_slog), and the first-order term
+    sum_j (a_ij + eta_i) S_ij instead of alpha_i S_i (first_order.py).
 
     Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
     """
@@ -272,16 +273,17 @@ def _sparse_de_kernel(
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
         corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
         if HAS_ETA:
-            # S log S in [-1/e, 0]: the operand dtype holds it as it holds S.
-            slog = tl.where(S > 0, S * tl.log(tl.where(S > 0, S, 1.0)), 0.0)
+            # S (zbar - lse + log BLOCK_V), within [-1/e, 9.3] S (common.skipped_slog): the
+            # operand dtype holds it as it holds S.
+            slog = skipped_slog(S, lse[:, None], softcap, BLOCK_V, HAS_SOFTCAP)
             corr_h = tl.dot(slog.to(Cm.dtype.element_ty), cm, corr_h, input_precision=PRECISION)
             shsum += tl.sum(slog, axis=1)
         ssum += tl.sum(S, axis=1)
     if HAS_ETA:
         # The entropy's term eta p z over a skipped tile, with the tile's p-weighted mean logit
-        # lse + log(S_ij / BLOCK_V) (the first-order model of first_order.py: sum_v p log p =
-        # S log(S / |j|) to first order in the tile's logit spread): the tile's coefficient is
-        # a_ij = alpha_i + eta_i (lse_i - log BLOCK_V) + eta_i log S_ij.
+        # zbar_ij = lse + log(S_ij / BLOCK_V) (to first order in the tile's logit spread, the
+        # model of first_order.py; with softcap, S / softcap'(zbar): common.skipped_slog): the
+        # tile's coefficient is a_ij = alpha_i + eta_i (lse_i - log BLOCK_V) + eta_i slog_ij / S_ij.
         a0 = alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))
         acc += a0[:, None] * corr + eta[:, None] * corr_h
         # The first-order term's coefficient: sum_j (a_ij + eta_i) S_ij (first_order.py).
@@ -404,8 +406,8 @@ class SparsePlan:
     keep [n_blocks, n_tiles] int8; list_e [n_blocks, n_tiles + 1] / cnt_e: kept tiles per block;
     list_c [n_tiles, n_blocks + 1] / cnt_c: kept blocks per tile; code [N, n_tiles] uint8: the
     skipped tiles' masses (encode_tile_stats);
-    coef: per row, the exact target entry alpha p_t - beta (times softcap'); g [n_tiles, D] fp32
-    skipped mass times e per tile, q [V]
+    coef: per row, the exact target entry p_t (alpha [+ eta z_t]) - beta (times softcap');
+    g [n_tiles, D] fp32 skipped mass times its coefficient times e per tile, q [V]
     its spread within the tile (per position); trow / tpos / tcoef: valid rows ordered by the
     tile of their target (e2d row, target position, coef) with seg [n_tiles + 1] the tile
     boundaries; wc, ge: the smoothing terms sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
@@ -493,8 +495,9 @@ def linear_ce_backward_sparse(
 
     ``eta`` (fp32 [N] per sorted row, or None): the entropy's coefficient, dZ = p (alpha + eta z)
     at the non-target entries (cce/_math.py); the skipped tiles' corrections then use each
-    tile's coefficient alpha + eta (lse + log(S_ij / BLOCK_V)) (_sparse_de_kernel), the
-    first-order terms that coefficient plus eta (first_order.py). ``dz_bound`` (fp32 [N] or None): a bound of
+    tile's coefficient alpha + eta zbar_ij, zbar_ij its mean logit to first order
+    (common.skipped_slog; _sparse_de_kernel), the first-order terms that coefficient plus eta
+    (first_order.py). ``dz_bound`` (fp32 [N] or None): a bound of
     each row's max |dZ| / softcap' (backward_exact.fp16_dz_bound), for the dense slabs' fp16
     scale where it is not max |alpha|.
 

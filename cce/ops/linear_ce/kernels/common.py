@@ -13,6 +13,7 @@ arguments by ``triton.heuristics``.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -195,6 +196,56 @@ def add_dc_targets(
         onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [LANES, BLOCK_R]
         acc = tl.dot(onehot, x, acc, input_precision="ieee")
     return acc
+
+
+# A skipped tile's mean logit under softcap (skipped_slog): Newton steps on
+# g(z) = z + log(1 - (z / s)^2) = b over [-s, z*], g's increasing, concave branch (z* = sqrt(1 + s^2)
+# - 1, where g' = 0), from z0 = max(b, -s + (s / 2) e^(b + s)) (the root near -s, where the log
+# dominates): the steps converge monotonically once left of the root, quadratically near it.
+SOFTCAP_MEAN_STEPS: tl.constexpr = tl.constexpr(5)
+
+
+@triton.jit
+def skipped_slog(S, lse, softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """S (zbar - lse + log BLOCK_V), 0 where S = 0, for a skipped tile's decoded mass S (any shape,
+    lse broadcast to it): zbar the tile's p-weighted mean logit to first order in the tile's
+    logit spread (kernels/first_order.py), lse + log(S / BLOCK_V) without softcap (the value is
+    then S log S, in [-1/e, 0]). With softcap s the codes hold S = sum_v p_v softcap'(z_v), so
+    zbar solves zbar + log(softcap'(zbar)) = b := lse + log(S / BLOCK_V), softcap'(z) =
+    1 - (z / s)^2, on the branch z <= z* (SOFTCAP_MEAN_STEPS Newton steps; the tile's logits lie
+    below the row's probable ones); zbar - b lies in [0, s + z* - b]."""
+    pos = S > 0
+    ls = tl.log(tl.where(pos, S, 1.0))
+    if HAS_SOFTCAP:
+        b = lse + ls - tl.log(tl.full((), BLOCK_V, tl.float32))
+        lo = -softcap * (1.0 - 1e-6)
+        hi = tl.sqrt(1.0 + softcap * softcap) - 1.0
+        z = tl.maximum(b, -softcap + 0.5 * softcap * tl.exp(tl.minimum(b + softcap, 0.0)))
+        z = tl.minimum(tl.maximum(z, lo), hi)
+        for _ in tl.static_range(SOFTCAP_MEAN_STEPS):
+            q = softcap * softcap - z * z
+            g = z + tl.log(q / (softcap * softcap))
+            gp = tl.maximum(1.0 - 2.0 * z / q, 1e-6)
+            z = tl.minimum(tl.maximum(z - (g - b) / gp, lo), hi)
+        ls = ls + (z - b)
+    return tl.where(pos, S * ls, 0.0)
+
+
+def skipped_slog_torch(S: torch.Tensor, lse: torch.Tensor, softcap: float, BLOCK_V: int) -> torch.Tensor:
+    """skipped_slog in torch ops (S [rows, tiles], lse [rows, 1]; softcap 0: none)."""
+    pos = S > 0
+    ls = torch.log(torch.where(pos, S, 1.0))
+    if softcap > 0:
+        s2 = softcap * softcap
+        b = lse + ls - math.log(BLOCK_V)
+        lo, hi = -softcap * (1.0 - 1e-6), math.sqrt(1.0 + s2) - 1.0
+        z = torch.maximum(b, -softcap + 0.5 * softcap * torch.exp((b + softcap).clamp(max=0.0))).clamp(lo, hi)
+        for _ in range(SOFTCAP_MEAN_STEPS.value):
+            q = s2 - z * z
+            gp = (1.0 - 2.0 * z / q).clamp(min=1e-6)
+            z = (z - (z + torch.log(q / s2) - b) / gp).clamp(lo, hi)
+        ls = ls + (z - b)
+    return torch.where(pos, S * ls, 0.0)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ stays capturable in a CUDA graph):
     dC[perm[v0 + k], :] = dZ_slab[:, k]^T @ E[erow]           written once, c's dtype
 
 The target entries stay out of the slab: the sparse writers add every row's exact target term
-(alpha p_t - beta, in fp32). dZ is rounded once to the operand dtype, as in the exact path; fp16
+(p_t (alpha [+ eta z_t]) - beta, in fp32). dZ is rounded once to the operand dtype, as in the exact path; fp16
 stores it times inv = 1 / max |alpha| (alpha p can sit below fp16's normal range; with the
 entropy's term, 1 / the max of a bound of |dZ| / softcap' per row) and the products are scaled
 back. Rows past n_valid have alpha = 0 and are stored as zeros; columns
@@ -102,7 +102,7 @@ def _slab_dz_kernel(
     Eta,  # [N] fp32 the entropy's coefficient per sorted row, or None
     Dense,  # [n_slabs] int8: 1 where the slab is dense
     DZ,  # [N, slab] operand dtype
-    Inv,  # [1] fp32 1 / max |alpha| (fp16), or None
+    Inv,  # [1] fp32 1 / max |alpha| (with eta: 1 / max of the rows' |dZ| bound) (fp16), or None
     N, V, D, stride_e, stride_c, stride_dz, slab, tile0, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,

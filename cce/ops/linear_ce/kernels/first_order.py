@@ -28,6 +28,9 @@ z_iv = lse_i + log p_iv and log p_iv ~ log(S_ij / |j|) + x_iv, gives
 
     dZ_iv ~ (S_ij / |j|) (a_ij + (a_ij + eta_i) x_iv),   a_ij = alpha_i + eta_i (lse_i + log(S_ij / |j|))
 
+(the kernels take |j| = BLOCK_V for every tile, the last, partial one too, and with softcap
+solve for the codes' softcap' factor: common.skipped_slog)
+
 (the rank-1 corrections take a_ij, backward_sparse.py), so alpha_i S_i above becomes
 sum_j (a_ij + eta_i) S_ij, in the dE term and in H alike (r_j stays the mass's spread).
 Cost: Gbar V D^2 multiply-adds (symmetric, upper tiles only), H 2 N D^2, the dC term 2 V D^2,

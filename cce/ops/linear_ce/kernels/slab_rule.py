@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ...._dispatch import interpreting
 from ... import jit_math as jm
-from .common import device_context
+from .common import device_context, skipped_slog
 
 # The most slabs the one-program decision holds in registers.
 RULE_KERNEL_SLABS = 64
@@ -256,13 +256,15 @@ def slab_flags(
 
 
 @triton.jit
-def skipped_coef(S, alpha, eta, lse, BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr):
+def skipped_coef(
+    S, alpha, eta, lse, softcap, BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr, HAS_SOFTCAP: tl.constexpr
+):  # fmt: skip
     """a S: a skipped tile's correction coefficient times its decoded mass S (any shape, alpha,
-    eta, lse broadcast to it): alpha S, and with the entropy's term (HAS_ETA)
-    (alpha + eta (lse + log(S / BLOCK_V))) S, the tile's p-weighted mean logit taken to first order
-    (backward_sparse._sparse_de_kernel)."""
+    eta, lse broadcast to it): alpha S, and with the entropy's term (HAS_ETA) (alpha + eta zbar) S,
+    zbar the tile's p-weighted mean logit to first order (common.skipped_slog; as
+    backward_sparse._sparse_de_kernel takes it)."""
     if HAS_ETA:
-        slog = tl.where(S > 0, S * tl.log(tl.where(S > 0, S, 1.0)), 0.0)
+        slog = skipped_slog(S, lse, softcap, BLOCK_V, HAS_SOFTCAP)
         return (alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))) * S + eta * slog
     return alpha * S
 
@@ -274,8 +276,8 @@ def _row_mass_kernel(
     Alpha,  # [N] fp32
     Eta, Lse,  # [N] fp32 the entropy's coefficient and the rows' lse, or None
     Out,  # [N] fp32: sum_j |a_ij S'_ij|
-    N, nt, stride_code, STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr,
+    N, nt, stride_code, softcap, STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Out[i] = sum_j |a_ij S'_ij|, the row's decoded skipped masses (tile_stats.decode_tile_mass)
     times their corrections' coefficients (skipped_coef; |alpha_i| sum_j S'_ij without eta)."""
@@ -297,7 +299,11 @@ def _row_mass_kernel(
         ).to(tl.float32)
         S = tl.where(x < 255.0, tl.exp(-x / STEPS), 0.0)
         if HAS_ETA:
-            acc += tl.abs(skipped_coef(S, a[:, None], eta[:, None], lse[:, None], BLOCK_V, HAS_ETA))
+            acc += tl.abs(
+                skipped_coef(
+                    S, a[:, None], eta[:, None], lse[:, None], softcap, BLOCK_V, HAS_ETA, HAS_SOFTCAP
+                )
+            )
         else:
             acc += S
     if HAS_ETA:
@@ -313,10 +319,12 @@ def row_masses(
     eta: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     block_v: int = 1,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """fp32 [N]: |alpha_i| sum_j S'_ij, the decoded skipped masses (``steps`` per nat of the
     codes, tile_stats.STATS_STEPS) of each row of ``code`` [N, nt] times |alpha|; with ``eta``
-    (and the rows' ``lse``, tiles of ``block_v`` classes) sum_j |a_ij S'_ij| (skipped_coef);
+    (and the rows' ``lse``, tiles of ``block_v`` classes, the ``softcap``) sum_j |a_ij S'_ij|
+    (skipped_coef);
     one launch."""
     N, nt = code.shape
     out = torch.empty(N, dtype=torch.float32, device=code.device)
@@ -326,7 +334,8 @@ def row_masses(
     with device_context(code.device):
         _row_mass_kernel[(triton.cdiv(N, BR),)](
             Code=code, Alpha=alpha, Eta=eta, Lse=lse, Out=out, N=N, nt=nt, stride_code=code.stride(0),
-            STEPS=steps, BLOCK_R=BR, BLOCK_T=BT, BLOCK_V=block_v,
+            softcap=float(softcap), STEPS=steps, BLOCK_R=BR, BLOCK_T=BT, BLOCK_V=block_v,
+            HAS_SOFTCAP=softcap > 0,
         )  # fmt: skip
     return out
 
@@ -499,7 +508,7 @@ def _sampled_dz_kernel(
     is_t = (v == t) & pm
     code = tl.load(Code + row.to(tl.int64) * stride_code + j).to(tl.float32)
     mass = tl.where(code < 255.0, tl.exp(-code / STEPS), 0.0)
-    s = skipped_coef(mass, a, h, lse, BLOCK_V, HAS_ETA)
+    s = skipped_coef(mass, a, h, lse, softcap, BLOCK_V, HAS_ETA, HAS_SOFTCAP)
     if HAS_ETA:
         tl.store(SF + m * nt + j, s + h * mass)
     skipped = tl.load(Keep + (row // BLOCK_N) * stride_keep + j) == 0
