@@ -273,8 +273,8 @@ def _sparse_de_kernel(
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
         corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
         if HAS_ETA:
-            # S (zbar - lse + log BLOCK_V), within [-1/e, 9.3] S (common.skipped_slog): the
-            # operand dtype holds it as it holds S.
+            # S (zbar - lse + log BLOCK_V) (common.skipped_slog): S times a logit difference,
+            # held by the operand dtype as S is.
             slog = skipped_slog(S, lse[:, None], softcap, BLOCK_V, HAS_SOFTCAP)
             corr_h = tl.dot(slog.to(Cm.dtype.element_ty), cm, corr_h, input_precision=PRECISION)
             shsum += tl.sum(slog, axis=1)
