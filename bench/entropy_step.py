@@ -3,10 +3,11 @@ against the loss alone, in one process: interleaved rounds of ``triton.testing.d
 the forward + backward, medians; the peak memory above the inputs; dE / dC errors against the
 fp32 reference of each objective (bench.reference.linear_reference, ``entropy_coef``).
 
-    python -m bench.entropy_step [--data zipf,random] [--rounds 5] [--rep-ms 150] [--out DIR]
+    python -m bench.entropy_step [--data zipf,random] [--softcap S] [--rounds 5] [--rep-ms 150] [--out DIR]
 
 bf16, N = 8192, gemma2-2b and llama3-8b heads, zipf and random data by default (``--data``: any of
-bench.data.ALL_REGIMES; real and init train / build a small GPT in the run), cce's defaults;
+bench.data.ALL_REGIMES; real and init train / build a small GPT in the run), cce's defaults
+(``--softcap``: every call and the reference with that logit softcap, as Gemma 2's 30);
 the same objective with ``filter_eps=None`` (the exact backward) beside it. Writes
 ``<gpu>_<date>_entropy-step.json`` to ``--out`` (default bench/results/).
 """
@@ -32,14 +33,14 @@ SHAPES = {"gemma2-2b": (8192, 2304, 256000), "llama3-8b": (8192, 4096, 128256)}
 COEF = 0.01
 
 
-def _step(kind: str):
+def _step(kind: str, softcap: float | None = None):
     """The objective of ``kind`` as a function of (e, c, t)."""
 
     def fn(e, c, t):
         if kind == "loss":
-            return cce.linear_cross_entropy(e, c, t)
+            return cce.linear_cross_entropy(e, c, t, softcap=softcap)
         kw = dict(filter_eps=None) if kind == "bonus_exact" else {}
-        out = cce.linear_cross_entropy(e, c, t, return_entropy=True, **kw)
+        out = cce.linear_cross_entropy(e, c, t, return_entropy=True, softcap=softcap, **kw)
         return out.loss - COEF * out.entropy.mean()
 
     return fn
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=150)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--data", default="zipf,random", help=f"comma list of {', '.join(ALL_REGIMES)}")
+    ap.add_argument("--softcap", type=float, default=None, help="logit softcap of every call (default: none)")
     a = ap.parse_args()
     regimes = [x.strip() for x in a.data.split(",") if x.strip()]
     for x in regimes:
@@ -65,12 +67,12 @@ def main() -> None:
             e0, c0, t = make_inputs(N, D, V, regime, device="cuda", seed=0)
             e, c = e0.detach().requires_grad_(), c0.detach().requires_grad_()
             refs = {
-                "loss": linear_reference(e0, c0, t),
-                "bonus": linear_reference(e0, c0, t, entropy_coef=COEF),
+                "loss": linear_reference(e0, c0, t, softcap=a.softcap),
+                "bonus": linear_reference(e0, c0, t, softcap=a.softcap, entropy_coef=COEF),
             }
             err, mem = {}, {}
             for k in kinds:
-                fn = _step(k)
+                fn = _step(k, a.softcap)
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
@@ -85,7 +87,7 @@ def main() -> None:
             times = {k: [] for k in kinds}
             for _ in range(a.rounds):
                 for k in kinds:
-                    fn = _step(k)
+                    fn = _step(k, a.softcap)
 
                     def run(fn=fn, e=e, c=c, t=t):
                         return torch.autograd.grad(fn(e, c, t), (e, c))
@@ -116,7 +118,8 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     gpu = torch.cuda.get_device_name()
     meta = dict(date=now.isoformat(timespec="seconds"), gpu=gpu, versions=versions([]), rounds=a.rounds,
-                rep_ms=a.rep_ms, coef=COEF, git=os.environ.get("CCE_BENCH_COMMIT"))  # fmt: skip
+                rep_ms=a.rep_ms, coef=COEF, softcap=a.softcap,
+                git=os.environ.get("CCE_BENCH_COMMIT"))  # fmt: skip
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / f"{gpu.replace(' ', '-')}_{now:%Y%m%d-%H%M%S}_entropy-step.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
