@@ -18,10 +18,10 @@ from ...options import DEFAULT_TUNING as _T
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
-from .kernels.common import inverse_permutation, skipped_slog_torch, slab_tiles, stats_blocks, tile_sizes
+from .kernels.common import inverse_permutation, slab_tiles, stats_blocks, tile_sizes
 from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
 from .kernels.stash import stash_code
-from .kernels.tile_stats import decode_tile_mass, tile_means
+from .kernels.tile_stats import decode_tile_mass, skipped_slogs, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
 from .slab_choice import dense_slab_flags, slab_errors
 
@@ -264,6 +264,9 @@ def sparse_backward(
     if smooth:
         w = weight.float() if weight is not None else torch.ones(V, dtype=f32, device=dev)
     list_e = cnt_e = wc = None
+    # The entropy's term of the skipped tiles' corrections, S_ij (zbar_ij - lse_i + log BV), once
+    # per step (read by _dc_inputs and the dE writer).
+    slog = None if eta_s is None else skipped_slogs(code, lse_s, softcap, BV)
     dc_in = (None,) * 9
     if need_de:
         list_e, cnt_e = compact_lists(keep)
@@ -271,7 +274,7 @@ def sparse_backward(
             wc = weighted_rows(w, c)
     if need_dc:
         dc_in = _dc_inputs(
-            e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo, eta_s, lse_s, softcap
+            e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo, eta_s, slog, lse_s
         )
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
@@ -288,7 +291,7 @@ def sparse_backward(
     del dc_in
     plan = KS.SparsePlan(
         keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
-        ge, gidx.view(keep.shape), klist, n_kept, fo,
+        ge, gidx.view(keep.shape), klist, n_kept, fo, slog,
     )  # fmt: skip
     del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
     dz_bound = None
@@ -318,12 +321,12 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
 
 def _dc_inputs(
     e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None, fo=None, eta_s=None,
-    lse_s=None, softcap: float = 0.0,
+    slog=None, lse_s=None,
 ):  # fmt: skip
     """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
-    kernels.backward_sparse.SparsePlan. With ``eta_s`` (and ``lse_s``, ``softcap``) a skipped
-    tile's mass carries the entropy's coefficient alpha_i + eta_i zbar_ij, as in dE
-    (kernels.common.skipped_slog).
+    kernels.backward_sparse.SparsePlan. With ``eta_s`` a skipped tile's mass carries the
+    entropy's coefficient alpha_i + eta_i zbar_ij, as in dE: ``slog`` [N, n_tiles] holds
+    S_ij (zbar_ij - lse_i + log BV) (tile_stats.skipped_slogs) and ``lse_s`` the rows' lse.
 
     ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
     count. Built in this function so that nothing but the plan holds them (the launcher releases them
@@ -354,7 +357,8 @@ def _dc_inputs(
         S = M * alpha_s[s:t, None]  # alpha is 0 at ignored rows
         if eta_s is not None:  # (eta is 0 at ignored rows too)
             h, ls = eta_s[s:t, None], lse_s[s:t, None]
-            S += M * (h * (ls - math.log(BV))) + skipped_slog_torch(M, ls, softcap, BV) * h
+            sl = slog[s:t] if live is None else slog[s:t] * live[None, :]
+            S += M * (h * (ls - math.log(BV))) + sl * h
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
             G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)

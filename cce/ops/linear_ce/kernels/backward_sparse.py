@@ -28,7 +28,6 @@ from .common import (
     device_context,
     logit_tile,
     precision,
-    skipped_slog,
     stats_blocks,
     sub_dc_smoothing,
     tile_cols,
@@ -196,7 +195,7 @@ def _kept_dz_block_kernel(
 )
 @triton.jit
 def _sparse_de_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Gamma, Coef, Code, ListE, CntE, Cm, WC,
+    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Slog, Gamma, Coef, Code, ListE, CntE, Cm, WC,
     Scratch, ScaleBuf, Dense, DEAcc, Gram, GScale, GFlag, dE,
     V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, n_vtiles, softcap, blk0,
     code_row0, slot_blk0, cap, tiles_per_slab,
@@ -273,9 +272,15 @@ def _sparse_de_kernel(
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
         corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
         if HAS_ETA:
-            # S (zbar - lse + log BLOCK_V) (common.skipped_slog): S times a logit difference,
-            # held by the operand dtype as S is.
-            slog = skipped_slog(S, lse[:, None], softcap, BLOCK_V, HAS_SOFTCAP)
+            # S (zbar - lse + log BLOCK_V) (common.skipped_slog, formed once per step in Slog:
+            # with softcap its Newton steps per D chunk cost more than the products): S times a
+            # logit difference, held by the operand dtype as S is.
+            slog = tl.load(
+                Slog + offs_n.to(tl.int64)[:, None] * n_vtiles + offs_j[None, :],
+                mask=row_mask[:, None] & jm[None, :], other=0.0,
+            )  # fmt: skip
+            if HAS_DENSE:
+                slog = tl.where(dn[None, :] == 0, slog, 0.0)
             corr_h = tl.dot(slog.to(Cm.dtype.element_ty), cm, corr_h, input_precision=PRECISION)
             shsum += tl.sum(slog, axis=1)
         ssum += tl.sum(S, axis=1)
@@ -432,6 +437,8 @@ class SparsePlan:
     klist: torch.Tensor  # [cap + 1] int32: flat index (block * n_tiles + tile) of kept tile k < cap
     n_kept: torch.Tensor  # [1] int32
     fo: FirstOrder | None = None  # the first-order terms (first_order.py), or None
+    # fp32 [N, n_tiles] with the entropy's term: common.skipped_slog of every skipped tile, or None
+    slog: torch.Tensor | None = None
 
 
 def sparse_config() -> tuple[int, int, int, int, int, int]:
@@ -614,7 +621,8 @@ def linear_ce_backward_sparse(
                     sl_scale = slot_scale[sl_blk0 * S :] if scale_dz else slot_scale
                 with ctx:
                     _sparse_de_kernel[(triton.cdiv(b - a, BN), triton.cdiv(D, BDO_E))](
-                        Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e, CntE=plan.cnt_e,
+                        Slog=plan.slog, Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e,
+                        CntE=plan.cnt_e,
                         Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale,
                         Dense=dense, DEAcc=de_acc, Gram=None if fo is None else fo.gram,
                         GScale=None if fo is None else fo.gscale, GFlag=None if fo is None else fo.flag,

@@ -13,7 +13,6 @@ arguments by ``triton.heuristics``.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -229,23 +228,6 @@ def skipped_slog(S, lse, softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constex
             z = tl.minimum(tl.maximum(z - (g - b) / gp, lo), hi)
         ls = ls + (z - b)
     return tl.where(pos, S * ls, 0.0)
-
-
-def skipped_slog_torch(S: torch.Tensor, lse: torch.Tensor, softcap: float, BLOCK_V: int) -> torch.Tensor:
-    """skipped_slog in torch ops (S [rows, tiles], lse [rows, 1]; softcap 0: none)."""
-    pos = S > 0
-    ls = torch.log(torch.where(pos, S, 1.0))
-    if softcap > 0:
-        s2 = softcap * softcap
-        b = lse + ls - math.log(BLOCK_V)
-        lo, hi = -softcap * (1.0 - 1e-6), math.sqrt(1.0 + s2) - 1.0
-        z = torch.maximum(b, -softcap + 0.5 * softcap * torch.exp((b + softcap).clamp(max=0.0))).clamp(lo, hi)
-        for _ in range(SOFTCAP_MEAN_STEPS.value):
-            q = s2 - z * z
-            gp = (1.0 - 2.0 * z / q).clamp(min=1e-6)
-            z = (z - (z + torch.log(q / s2) - b) / gp).clamp(lo, hi)
-        ls = ls + (z - b)
-    return torch.where(pos, S * ls, 0.0)
 
 
 @triton.jit

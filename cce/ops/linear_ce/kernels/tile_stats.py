@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...._dispatch import interpreting
-from .common import check_inputs, device_context, tile_cols
+from .common import check_inputs, device_context, skipped_slog, tile_cols
 
 # ignored row, or a mass carried on to the next tile). 16 steps per nat (rounding <= 3.2%
 # relative, span e^-15.9) with the rounding carried from tile to tile (see _encode_stats_kernel).
@@ -103,6 +103,41 @@ def encode_tile_stats(
 def decode_tile_mass(code: torch.Tensor) -> torch.Tensor:
     """The masses S of encode_tile_stats' codes, fp32 (0 for code 255)."""
     return torch.where(code < 255, torch.exp(code * (-1.0 / STATS_STEPS)), 0.0)
+
+
+@triton.jit
+def _skipped_slog_kernel(
+    Code, Lse, Out, N, nt, stride_code, softcap,
+    STEPS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """Out[i, j] = common.skipped_slog of row i's decoded mass in tile j (0 for code 255)."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = (offs_r < N)[:, None] & (offs_t < nt)[None, :]
+    x = tl.load(Code + offs_r.to(tl.int64)[:, None] * stride_code + offs_t[None, :], mask=m, other=255).to(
+        tl.float32
+    )  # [BLOCK_R, BLOCK_T]
+    S = tl.where(x < 255.0, tl.exp(-x / STEPS), 0.0)
+    lse = tl.load(Lse + offs_r, mask=offs_r < N, other=0.0)
+    out = skipped_slog(S, lse[:, None], softcap, BLOCK_V, HAS_SOFTCAP)
+    tl.store(Out + offs_r.to(tl.int64)[:, None] * nt + offs_t[None, :], out, mask=m)
+
+
+def skipped_slogs(code: torch.Tensor, lse: torch.Tensor, softcap: float, BLOCK_V: int) -> torch.Tensor:
+    """fp32 [N, n_tiles]: common.skipped_slog of every (sorted row, tile) of the codes ``code``
+    [N, n_tiles] (``lse`` [N] the rows'), once per step: the entropy's term of the skipped tiles'
+    corrections reads it in the dE writer (once per D chunk there) and in _dc_inputs."""
+    N, nt = code.shape
+    out = torch.empty((N, nt), dtype=torch.float32, device=code.device)
+    if N and nt:
+        BR, BT = (16, 16) if interpreting() else (32, 128)
+        with device_context(code.device):
+            _skipped_slog_kernel[(triton.cdiv(N, BR), triton.cdiv(nt, BT))](
+                Code=code, Lse=lse, Out=out, N=N, nt=nt, stride_code=code.stride(0), softcap=float(softcap),
+                STEPS=STATS_STEPS, HAS_SOFTCAP=softcap > 0, BLOCK_V=BLOCK_V, BLOCK_R=BR, BLOCK_T=BT,
+            )  # fmt: skip
+    return out
 
 
 @triton.jit
