@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cce.reference import linear_cross_entropy_reference
@@ -399,3 +401,22 @@ def captured_step(step, shape, regime: str, seed: int):
     e2, c2, t2 = make_inputs(N, D, V, regime, dtype=torch.bfloat16, device="cuda", seed=seed + 1)
     replay_on(graph, (e, c, t), (e2, c2, t2))
     return out, (e, c), (e2, c2, t2)
+
+
+def skipped_mean_logit64(S: torch.Tensor, lse: torch.Tensor, softcap: float, BV: int) -> torch.Tensor:
+    """float64: a skipped tile's p-weighted mean logit as the sparse backward models it (to first
+    order in the tile's logit spread), lse + log(S / BV); with softcap the forward's codes hold
+    S = sum_v p_v softcap'(z_v), and zbar solves zbar + log(1 - (zbar / softcap)^2) =
+    lse + log(S / BV) on the branch below z* = sqrt(1 + softcap^2) - 1 (bisection, not the
+    kernels' Newton steps). 0 where S = 0 (no correction there)."""
+    base = lse + torch.log(torch.where(S > 0, S, 1.0)) - math.log(BV)
+    z = base
+    if softcap:
+        lo = torch.full_like(base, -softcap * (1 - 1e-6))
+        hi = torch.full_like(base, math.sqrt(1 + softcap**2) - 1)
+        for _ in range(80):
+            mid = (lo + hi) / 2
+            up = mid + torch.log(1 - (mid / softcap) ** 2) < base
+            lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
+        z = (lo + hi) / 2
+    return torch.where(S > 0, z, 0.0)

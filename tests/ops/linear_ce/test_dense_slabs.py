@@ -14,15 +14,13 @@ target.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from bench.data import zipf_inputs
 from cce import CCEOptions, Tuning, linear_cross_entropy_with_options
 from cce.reference import linear_cross_entropy_reference
-from tests.helpers import rel_err
+from tests.helpers import rel_err, skipped_mean_logit64
 
 triton = pytest.importorskip("triton")
 
@@ -118,24 +116,6 @@ def _errors(s, width, rows=ERROR_ROWS):
     )  # fmt: skip
 
 
-def _mean_logit64(S, lse, softcap, BV):
-    """float64: a skipped tile's p-weighted mean logit as the sparse backward models it,
-    lse + log(S / BV), and with softcap (S then holds sum p softcap') the root of
-    zbar + log(1 - (zbar / softcap)^2) = lse + log(S / BV) below z* = sqrt(1 + softcap^2) - 1
-    (bisection, not the kernels' Newton steps); 0 where S = 0 (unused there)."""
-    base = lse + torch.log(torch.where(S > 0, S, 1.0)) - math.log(BV)
-    z = base
-    if softcap:
-        lo = torch.full_like(base, -softcap * (1 - 1e-6))
-        hi = torch.full_like(base, math.sqrt(1 + softcap**2) - 1)
-        for _ in range(80):
-            mid = (lo + hi) / 2
-            up = mid + torch.log(1 - (mid / softcap) ** 2) < base
-            lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
-        z = (lo + hi) / 2
-    return torch.where(S > 0, z, 0.0)
-
-
 @pytest.mark.parametrize("softcap,bias,entropy", [(0.0, False, False), (4.0, True, False), (0.0, False, True),
                                                   (4.0, True, True)])  # fmt: skip
 def test_slab_errors_against_float64(softcap, bias, entropy):
@@ -143,8 +123,8 @@ def test_slab_errors_against_float64(softcap, bias, entropy):
     float64 recomputation from the forward's codes and keep flags (ignored rows, a partial last
     tile and slab, bias and softcap). With ``entropy`` an upstream gradient on the entropy too:
     dZ = p (alpha + eta z) softcap', a skipped tile's coefficient alpha + eta zbar
-    (_mean_logit64), the rows sampled by sum_j |a_ij S'_ij|. fp32 products over at most 700
-    classes: 1e-5 of |ref|."""
+    (tests.helpers.skipped_mean_logit64), the rows sampled by sum_j |a_ij S'_ij|. fp32 products
+    over at most 700 classes: 1e-5 of |ref|."""
     N, D, V = 90, 32, 700
     b = 0.3 * torch.randn(V, generator=torch.Generator().manual_seed(4)) if bias else None
     delta = -0.5 * torch.rand(N, generator=torch.Generator().manual_seed(2)) if entropy else None
@@ -169,12 +149,12 @@ def test_slab_errors_against_float64(softcap, bias, entropy):
     C = s["c"].double()
     perm = s["vperm"].long()
     M = decode_tile_mass(s["code"][pos]).double()
-    S = M * (a + h * _mean_logit64(M, ls, softcap, BV))
+    S = M * (a + h * skipped_mean_logit64(M, ls, softcap, BV))
     if entropy:
         # The rows' sampling weights sum_j |a_ij S'_ij| (sample_rows: pi = share / n + (1 - share)
         # m / sum(m), scale = 1 / sqrt(k pi)); and ||dC||^2 from every class's exact column.
         Ma = decode_tile_mass(s["code"]).double()
-        zbar = _mean_logit64(Ma, s["lse_s"].double()[:, None], softcap, BV)
+        zbar = skipped_mean_logit64(Ma, s["lse_s"].double()[:, None], softcap, BV)
         m = (Ma * (s["alpha_s"].double()[:, None] + s["eta_s"].double()[:, None] * zbar)).abs().sum(1)
         m = m * (torch.arange(N) < r.n_valid)
         pi = UNIFORM_SHARE / int(r.n_valid) + (1 - UNIFORM_SHARE) * m / m.sum()

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from bench.data import zipf_inputs
 from cce import _math, linear_cross_entropy
-from tests.helpers import rel_err
+from tests.helpers import rel_err, skipped_mean_logit64
 
 triton = pytest.importorskip("triton")
 
@@ -171,31 +171,12 @@ def test_encoded_tile_statistics(chain):
     assert ((S.cumsum(1) - off.cumsum(1)).abs() > h / (1 - h) * S.cummax(1).values + f16.cumsum(1)).any()
 
 
-def _mean_logit(S, lse, softcap, BV):
-    """float64: a skipped tile's p-weighted mean logit as the sparse backward models it (to first
-    order in the tile's logit spread), lse + log(S / BV); with softcap the codes' S is
-    sum_v p_v softcap'(z_v), and zbar solves zbar + log(softcap'(zbar)) = lse + log(S / BV),
-    softcap'(z) = 1 - (z / softcap)^2, on the branch below z* (bisection, not the kernels' Newton
-    steps)."""
-    base = lse + torch.log(torch.where(S > 0, S, 1.0)) - math.log(BV)
-    if not softcap:
-        return base
-    # bisection on the increasing branch [-s, z*] of z + log(1 - (z / s)^2), z* = sqrt(1 + s^2) - 1
-    lo = torch.full_like(base, -softcap * (1 - 1e-6))
-    hi = torch.full_like(base, math.sqrt(1 + softcap**2) - 1)
-    for _ in range(80):
-        mid = (lo + hi) / 2
-        up = mid + torch.log(1 - (mid / softcap) ** 2) < base
-        lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
-    return (lo + hi) / 2
-
-
 def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r, eta=None):
     """Per sorted row / per vocabulary id, the stated error bounds of dE and dC (float64).
 
     With ``eta`` (the entropy's coefficient per row) dZ = p (alpha + eta z) softcap' and a
     skipped tile's correction coefficient is a_ij S'_ij = (alpha_i + eta_i zbar_ij) S'_ij, zbar
-    the tile's modelled mean logit (_mean_logit); the dE bound's mass term
+    the tile's modelled mean logit (tests.helpers.skipped_mean_logit64); the dE bound's mass term
     |sum_v dZ_iv - a_ij S'_ij| |mean C_j| is alpha_i |S_ij - S'_ij| |mean C_j| without eta."""
     BN, BV = stats_blocks(e.dtype)
     n = int(r.n_valid)
@@ -222,7 +203,7 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r, eta=None):
                 continue
             D = dz[blk][:, ids]
             Sd = dec[blk, j]
-            coef = (a[blk] + h[blk] * _mean_logit(Sd, lse[rows][blk], softcap, BV)) * Sd
+            coef = (a[blk] + h[blk] * skipped_mean_logit64(Sd, lse[rows][blk], softcap, BV)) * Sd
             be[blk] += D @ spread + (dzs[blk][:, ids].sum(1) - coef).abs() * cm.norm()
             bc[ids] += D.T @ es[blk].norm(dim=1)
         bc[ids] += plan.q[j * BV : (j + 1) * BV].double() * plan.g[j].double().norm()
@@ -304,9 +285,10 @@ def test_sparse_entropy_term_within_stated_bound(softcap, d):
     """A gradient on the entropy output (loss - d H per row, random row weights; d = 1: an
     entropy term as large as the loss's) in the sparse backward: kept tiles and the targets carry
     eta p z exactly, a skipped tile's correction the coefficient alpha + eta zbar (its mean logit
-    to first order, _mean_logit; with softcap the codes' mass carries softcap'). The gradients
-    against the float64 oracle obey the stated bound of _bound (with eta), which is small against
-    the gradient here; the entropy's own part of dE and dC is found to the filter's accuracy."""
+    to first order, tests.helpers.skipped_mean_logit64; with softcap the codes' mass carries
+    softcap'). The gradients against the float64 oracle obey the stated bound of _bound (with
+    eta), which is small against the gradient here; the entropy's own part of dE and dC is found
+    to the filter's accuracy."""
     from cce.reference import linear_cross_entropy_reference
 
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
