@@ -15,9 +15,6 @@ the same objective with ``filter_eps=None`` (the exact backward) beside it. Writ
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import statistics
 from pathlib import Path
 
@@ -26,7 +23,7 @@ import torch
 import cce
 
 from .data import ALL_REGIMES, make_inputs
-from .providers import versions
+from .outputs_ab import write_session_json
 from .reference import linear_reference, rel_l2
 
 SHAPES = {"gemma2-2b": (8192, 2304, 256000), "llama3-8b": (8192, 4096, 128256)}
@@ -115,14 +112,9 @@ def main() -> None:
                 f"MB {mem['loss']:.0f}/{mem['bonus']:.0f}/{mem['bonus_exact']:.0f}",
                 flush=True,
             )
-    now = datetime.datetime.now(datetime.timezone.utc)
-    gpu = torch.cuda.get_device_name()
-    meta = dict(date=now.isoformat(timespec="seconds"), gpu=gpu, versions=versions([]), rounds=a.rounds,
-                rep_ms=a.rep_ms, coef=COEF, softcap=a.softcap,
-                git=os.environ.get("CCE_BENCH_COMMIT"))  # fmt: skip
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{gpu.replace(' ', '-')}_{now:%Y%m%d-%H%M%S}_entropy-step.json"
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    path = write_session_json(
+        a.out, "entropy-step", rows, rounds=a.rounds, rep_ms=a.rep_ms, coef=COEF, softcap=a.softcap
+    )
     print(f"# wrote {path}")
 
 

@@ -62,14 +62,21 @@ def main() -> None:
                 f"({r1:.3f}x)  at T = 0.7 {med['outputs_t07']:7.3f} ms ({r2:.3f}x)",
                 flush=True,
             )
+    path = write_session_json(a.out, "fwd-outputs-ab", rows, rounds=a.rounds, rep_ms=a.rep_ms)
+    print(f"# wrote {path}")
+
+
+def write_session_json(out: Path, tag: str, rows: list[dict], **meta) -> Path:
+    """``<gpu>_<date>_<tag>.json`` in ``out`` with {meta, rows}: the date, GPU, versions and the
+    commit (CCE_BENCH_COMMIT) besides ``meta``; the path written."""
     now = datetime.datetime.now(datetime.timezone.utc)
     gpu = torch.cuda.get_device_name()
-    meta = dict(date=now.isoformat(timespec="seconds"), gpu=gpu, versions=versions([]), rounds=a.rounds,
-                rep_ms=a.rep_ms, git=os.environ.get("CCE_BENCH_COMMIT"))  # fmt: skip
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{gpu.replace(' ', '-')}_{now:%Y%m%d-%H%M%S}_fwd-outputs-ab.json"
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"# wrote {path}")
+    info = dict(date=now.isoformat(timespec="seconds"), gpu=gpu, versions=versions([]), **meta,
+                git=os.environ.get("CCE_BENCH_COMMIT"))  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{gpu.replace(' ', '-')}_{now:%Y%m%d-%H%M%S}_{tag}.json"
+    path.write_text(json.dumps(dict(meta=info, rows=rows), indent=1))
+    return path
 
 
 if __name__ == "__main__":
