@@ -358,7 +358,7 @@ def _sparse_dc_kernel(
     + sum over the rows i with t_i in the tile of coef_i e_i (exact in fp32) [- w_v sum_i gamma_i e_i].
 
     Tiles of a dense slab (Dense, per slab of tiles_per_slab tiles, or None) are written by
-    dense_slabs._slab_dc_kernel instead.
+    dense_slabs._slab_grads_kernel instead.
     """
     pid_v = tl.program_id(0)
     pid_d = tl.program_id(1)

@@ -7,9 +7,10 @@ recomputed once per D chunk of each output. Its rank-1 corrections of skipped ti
 only where the skipped mass is small. The sorted vocabulary is therefore cut into slabs of
 whole tiles, and the device marks a slab dense (triton_backward.dense_slab_flags: many kept
 tiles, or too much skipped mass left behind it) from the forward's own statistics. A dense
-slab's tiles leave the sparse plan (keep 0, code 255) and are done here, exactly, in three
-launches per slab that return at once for a sparse slab (no host synchronisation, so a step
-stays capturable in a CUDA graph):
+slab's tiles leave the sparse plan (keep 0, code 255) and are done here, exactly, in two
+launches per slab (three on Hopper, whose GEMMs read the slab's classes gathered by a third) that
+return at once for a sparse slab (no host synchronisation, so a step stays capturable in a CUDA
+graph):
 
     dZ_slab[i, k] = p_{i, v_k} (alpha_i [+ eta_i z_{i, v_k}]) softcap'(z_{i, v_k})
                                   non-target entries only, v_k = perm[v0 + k]  (eta: entropy)
@@ -169,89 +170,71 @@ def _slab_dz_tma_kernel(
     )  # fmt: skip
 
 
-@triton.heuristics({"SCALE_DZ": lambda a: a["Scale"] is not None})
 @triton.jit
-def _slab_de_kernel(
-    DZ, C, Perm, NValid, Dense, DEAcc, Scale,
-    DZd, Cd,  # USE_TMA: descriptors of DZ [N, slab] and of C_slab [width, D] (else None)
-    V, D, stride_dz, stride_c, stride_de, slab, v0, width,
+def _slab_de_tile(
+    DZ, C, Perm, NValid, DEAcc, Scale, DZd, Cd, pid_m, pid_d,
+    D, stride_dz, stride_c, stride_de, v0, width,
     SCALE_DZ: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr,
     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """DEAcc[rows of block m, D chunk] += DZ[rows, :width] @ C[perm[v0 : v0 + width], D chunk],
-    if slab ``slab`` is dense; one program owns its output tile (no atomics). USE_TMA: the
-    operands by descriptors, C's rows gathered into C_slab beforehand (its rows past width are
-    stale but finite and meet dZ's zero columns there)."""
-    if tl.load(Dense + slab) == 0:
-        return
-    start = tl.program_id(0) * BLOCK_M
+    """DEAcc[rows of block pid_m, D chunk pid_d] += DZ[rows, :width] @ C[perm[v0 : v0 + width],
+    D chunk]; one program owns its output tile (no atomics). USE_TMA: the operands by
+    descriptors, C's rows gathered into C_slab beforehand (its rows past width are stale but
+    finite and meet dZ's zero columns there)."""
+    start = pid_m * BLOCK_M
     n_valid = tl.load(NValid)
-    if start >= n_valid:
-        return
-    offs_m = start + tl.arange(0, BLOCK_M)
-    row_mask = offs_m < n_valid
-    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
-    dmask = offs_do < D
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptr = DZ + offs_m.to(tl.int64)[:, None] * stride_dz + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
-    for k0 in range(0, width, BLOCK_K):
-        if USE_TMA:
-            a = DZd.load([start, k0])  # [BLOCK_M, BLOCK_K]
-            b = Cd.load([k0, tl.program_id(1) * BLOCK_DO])  # [BLOCK_K, BLOCK_DO]
-        else:
-            km = (k0 + offs_k) < width
-            vid = tl.load(Perm + v0 + k0 + offs_k, mask=km, other=0).to(tl.int64)
-            a = tl.load(a_ptr, mask=row_mask[:, None] & km[None, :], other=0.0)
-            b = tl.load(
-                C + vid[:, None] * stride_c + offs_do[None, :], mask=km[:, None] & dmask[None, :], other=0.0
-            )  # [BLOCK_K, BLOCK_DO]
-            a_ptr += BLOCK_K
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    if SCALE_DZ:
-        acc *= tl.load(Scale)
-    out = DEAcc + offs_m.to(tl.int64)[:, None] * stride_de + offs_do[None, :]
-    m2 = row_mask[:, None] & dmask[None, :]
-    tl.store(out, tl.load(out, mask=m2, other=0.0) + acc, mask=m2)
+    if start < n_valid:  # (blocks past the valid rows: nothing to add)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < n_valid
+        offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
+        dmask = offs_do < D
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptr = DZ + offs_m.to(tl.int64)[:, None] * stride_dz + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
+        for k0 in range(0, width, BLOCK_K):
+            if USE_TMA:
+                a = DZd.load([start, k0])  # [BLOCK_M, BLOCK_K]
+                b = Cd.load([k0, pid_d * BLOCK_DO])  # [BLOCK_K, BLOCK_DO]
+            else:
+                km = (k0 + offs_k) < width
+                vid = tl.load(Perm + v0 + k0 + offs_k, mask=km, other=0).to(tl.int64)
+                a = tl.load(a_ptr, mask=row_mask[:, None] & km[None, :], other=0.0)
+                b_ptr = C + vid[:, None] * stride_c + offs_do[None, :]
+                b = tl.load(b_ptr, mask=km[:, None] & dmask[None, :], other=0.0)  # [BLOCK_K, BLOCK_DO]
+                a_ptr += BLOCK_K
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SCALE_DZ:
+            acc *= tl.load(Scale)
+        out = DEAcc + offs_m.to(tl.int64)[:, None] * stride_de + offs_do[None, :]
+        m2 = row_mask[:, None] & dmask[None, :]
+        tl.store(out, tl.load(out, mask=m2, other=0.0) + acc, mask=m2)
 
 
-@triton.heuristics(
-    {
-        "SCALE_DZ": lambda a: a["Scale"] is not None,
-        "HAS_SMOOTH": lambda a: a["GE"] is not None,
-        "HAS_WEIGHT": lambda a: a["W"] is not None,
-    }
-)
 @triton.jit
-def _slab_dc_kernel(
-    DZ, E, Erow, Perm, NValid, Dense, dC, Scale,
-    DZd, Ed,  # USE_TMA: descriptors of DZ [N, slab] and of the sorted rows E_s [N, D] (else None)
-    Seg, TRow, TPos, TCoef,  # the valid rows ordered by their target's tile (backward_sparse.SparsePlan)
-    W, GE,  # smoothing: class weights [V] or None, sum_i gamma_i e_i [D] fp32; or None
-    V, D, stride_dz, stride_e, stride_dc, slab, v0, width,
+def _slab_dc_tile(
+    DZ, E, Erow, Perm, NValid, dC, Scale, DZd, Ed, Seg, TRow, TPos, TCoef, W, GE, pid_m, pid_d,
+    D, stride_dz, stride_e, stride_dc, v0, width,
     SCALE_DZ: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dC[perm[v0 + cols of block m], D chunk] = DZ[:n_valid, cols]^T @ E[erow[:n_valid], D chunk]
-    + sum over the rows i whose target is one of these classes of coef_i e_i (exact, fp32)
-    [- w_v sum_i gamma_i e_i, the smoothing term], in
-    dC's dtype, if slab ``slab`` is dense; one program owns its output tile. BLOCK_M divides
-    BLOCK_V and v0 is a multiple of BLOCK_V: a program's classes lie in one tile."""
-    if tl.load(Dense + slab) == 0:
-        return
+    """dC[perm[v0 + cols of block pid_m], D chunk pid_d] = DZ[:n_valid, cols]^T @
+    E[erow[:n_valid], D chunk] + sum over the rows i whose target is one of these classes of
+    coef_i e_i (exact, fp32) [- w_v sum_i gamma_i e_i, the smoothing term], in dC's dtype; one
+    program owns its output tile. BLOCK_M divides BLOCK_V and v0 is a multiple of BLOCK_V: a
+    program's classes lie in one tile."""
     n_valid = tl.load(NValid)
-    cols = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cmask = cols < width
-    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
     for k0 in range(0, n_valid, BLOCK_K):
         if USE_TMA:
             # rows past n_valid: zeros in DZ (never written)
-            a = DZd.load([k0, tl.program_id(0) * BLOCK_M])  # [BLOCK_K, BLOCK_M]
-            b = Ed.load([k0, tl.program_id(1) * BLOCK_DO])  # [BLOCK_K, BLOCK_DO]
+            a = DZd.load([k0, pid_m * BLOCK_M])  # [BLOCK_K, BLOCK_M]
+            b = Ed.load([k0, pid_d * BLOCK_DO])  # [BLOCK_K, BLOCK_DO]
         else:
             rows = k0 + offs_k
             rm = rows < n_valid
@@ -267,7 +250,7 @@ def _slab_dc_kernel(
     if SCALE_DZ:
         acc *= tl.load(Scale)
     # The target entries (left out of the slab), as in backward_sparse._sparse_dc_kernel.
-    p0 = v0 + tl.program_id(0) * BLOCK_M
+    p0 = v0 + pid_m * BLOCK_M
     acc = add_dc_targets(
         acc, Seg, TRow, TPos, TCoef, E, p0 // BLOCK_V, p0, offs_do, dmask, stride_e, BLOCK_M, BLOCK_R
     )  # fmt: skip
@@ -276,6 +259,52 @@ def _slab_dc_kernel(
         acc = sub_dc_smoothing(acc, W, GE, vid, cmask, offs_do, dmask, HAS_WEIGHT)
     out = dC + vid[:, None] * stride_dc + offs_do[None, :]
     tl.store(out, acc.to(dC.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
+
+
+@triton.heuristics(
+    {
+        "SCALE_DZ": lambda a: a["Scale"] is not None,
+        "HAS_DE": lambda a: a["DEAcc"] is not None,
+        "HAS_DC": lambda a: a["dC"] is not None,
+        "HAS_SMOOTH": lambda a: a["GE"] is not None,
+        "HAS_WEIGHT": lambda a: a["W"] is not None,
+    }
+)
+@triton.jit
+def _slab_grads_kernel(
+    DZ, C, E, Erow, Perm, NValid, Dense, Scale,
+    DEAcc,  # [N, D] fp32 dE of the sorted rows, added to (or None: no dE)
+    dC,  # [V, D] written at the slab's classes (or None: no dC)
+    DZd, Cd, DZtd, Ed,  # USE_TMA: descriptors of DZ [BLOCK_M, BLOCK_K], C_slab, DZ [BLOCK_K, BLOCK_M], E_s
+    Seg, TRow, TPos, TCoef,  # the valid rows ordered by their target's tile (backward_sparse.SparsePlan)
+    W, GE,  # smoothing: class weights [V] or None, sum_i gamma_i e_i [D] fp32; or None
+    D, stride_dz, stride_c, stride_e, stride_de, stride_dc, slab, v0, width, de_blocks,
+    SCALE_DZ: tl.constexpr, HAS_DE: tl.constexpr, HAS_DC: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Both GEMMs of a dense slab in one launch (they read dZ and write disjoint outputs), if slab
+    ``slab`` is dense: programs [0, de_blocks) along axis 0 take dE's row blocks (_slab_de_tile),
+    the rest dC's class blocks (_slab_dc_tile); axis 1 is the D chunk. One launch instead of two
+    per slab: the launches happen whether the slab is dense or not (the device decides), and
+    each costs the host more than the device when it is not."""
+    if tl.load(Dense + slab) == 0:
+        return
+    pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    if HAS_DE:
+        if pid < de_blocks:
+            _slab_de_tile(
+                DZ, C, Perm, NValid, DEAcc, Scale, DZd, Cd, pid, pid_d, D, stride_dz, stride_c, stride_de,
+                v0, width, SCALE_DZ, USE_TMA, BLOCK_M, BLOCK_DO, BLOCK_K, PRECISION,
+            )  # fmt: skip
+    if HAS_DC:
+        if pid >= de_blocks:
+            _slab_dc_tile(
+                DZ, E, Erow, Perm, NValid, dC, Scale, DZtd, Ed, Seg, TRow, TPos, TCoef, W, GE,
+                pid - de_blocks, pid_d, D, stride_dz, stride_e, stride_dc, v0, width, SCALE_DZ, HAS_SMOOTH,
+                HAS_WEIGHT, USE_TMA, BLOCK_M, BLOCK_DO, BLOCK_K, BLOCK_V, BLOCK_R, PRECISION,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -347,6 +376,7 @@ def run_dense_slabs(
         scale = (alpha.abs() if dz_bound is None else dz_bound).amax().clamp(min=1e-30).reshape(1)
         inv = (1.0 / scale).contiguous()
     prec = precision(e2d.dtype)
+    seg = trow = tpos = tcoef = None
     if dC is not None:
         if targets_by_tile is None:
             raise ValueError("dC needs targets_by_tile")
@@ -391,21 +421,17 @@ def run_dense_slabs(
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
                 de_d = dc_d = (None, None)
-            if de_acc is not None:
-                _slab_de_kernel[(triton.cdiv(N, BM), triton.cdiv(D, BDO))](
-                    DZ=DZ, C=c, Perm=perm, NValid=n_valid, Dense=dense, DEAcc=de_acc, Scale=scale,
-                    DZd=de_d[0], Cd=de_d[1], V=V, D=D, stride_dz=DZ.stride(0), stride_c=c.stride(0),
-                    stride_de=de_acc.stride(0), slab=s, v0=v0, width=width, USE_TMA=tma, BLOCK_M=BM,
-                    BLOCK_DO=BDO, BLOCK_K=BK, PRECISION=prec, num_warps=warps, num_stages=stages,
-                )  # fmt: skip
-            if dC is not None:
-                _slab_dc_kernel[(triton.cdiv(width, BM), triton.cdiv(D, BDO))](
-                    DZ=DZ, E=e2d, Erow=erow, Perm=perm, NValid=n_valid, Dense=dense, dC=dC, Scale=scale,
-                    DZd=dc_d[0], Ed=dc_d[1], Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, W=weight, GE=ge,
-                    V=V, D=D, stride_dz=DZ.stride(0), stride_e=e2d.stride(0), stride_dc=dC.stride(0),
-                    slab=s, v0=v0, width=width, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK,
-                    BLOCK_V=BV, BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages,
-                )  # fmt: skip
+            de_blocks = triton.cdiv(N, BM) if de_acc is not None else 0
+            dc_blocks = triton.cdiv(width, BM) if dC is not None else 0
+            _slab_grads_kernel[(de_blocks + dc_blocks, triton.cdiv(D, BDO))](
+                DZ=DZ, C=c, E=e2d, Erow=erow, Perm=perm, NValid=n_valid, Dense=dense, Scale=scale,
+                DEAcc=de_acc, dC=dC, DZd=de_d[0], Cd=de_d[1], DZtd=dc_d[0], Ed=dc_d[1], Seg=seg, TRow=trow,
+                TPos=tpos, TCoef=tcoef, W=weight, GE=ge, D=D, stride_dz=DZ.stride(0), stride_c=c.stride(0),
+                stride_e=e2d.stride(0), stride_de=0 if de_acc is None else de_acc.stride(0),
+                stride_dc=0 if dC is None else dC.stride(0), slab=s, v0=v0, width=width,
+                de_blocks=de_blocks, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV,
+                BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages,
+            )  # fmt: skip
 
 
 @triton.jit
