@@ -117,7 +117,7 @@ def _slab_dz_kernel(
     start = pid_n * BLOCK_N
     n_valid = tl.load(NValid)
     if start >= n_valid:
-        return  # never written: zero since the slab's allocation
+        return  # never written, never read (the pointer GEMMs mask rows past n_valid)
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
     erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
@@ -156,11 +156,17 @@ def _slab_dz_tma_kernel(
     start = pid_n * BLOCK_N
     n_valid = tl.load(NValid)
     if start >= n_valid:
+        # Zeros: the TMA GEMMs' row blocks reach past n_valid, and the buffer is not zeroed at
+        # allocation (a memset of the whole slab on every step, dense or not).
+        offs_n = start + tl.arange(0, BLOCK_N)
+        cols = s * BLOCK_V + tl.arange(0, BLOCK_V)
+        ptr = DZ + offs_n.to(tl.int64)[:, None] * stride_dz + cols[None, :]
+        tl.store(ptr, tl.zeros((BLOCK_N, BLOCK_V), dtype=DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
         return
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         a = Ed.load([start, d0])  # [BLOCK_N, BLOCK_D]; zeros past N and D
-        b = Cd.load([s * BLOCK_V, d0])  # [BLOCK_V, BLOCK_D]; stale past V: masked below
+        b = Cd.load([s * BLOCK_V, d0])  # [BLOCK_V, BLOCK_D]; zeros past V (the gather's)
         acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
     offs_n = start + tl.arange(0, BLOCK_N)
     _offs_p, col_mask, vid = tile_cols(Perm + v0, s, V - v0, BLOCK_V)
@@ -179,8 +185,8 @@ def _slab_de_tile(
 ):  # fmt: skip
     """DEAcc[rows of block pid_m, D chunk pid_d] += DZ[rows, :width] @ C[perm[v0 : v0 + width],
     D chunk]; one program owns its output tile (no atomics). USE_TMA: the operands by
-    descriptors, C's rows gathered into C_slab beforehand (its rows past width are stale but
-    finite and meet dZ's zero columns there)."""
+    descriptors, C's rows gathered into C_slab beforehand (zeros past width up to the tile's end,
+    where dZ's columns are zeros too)."""
     start = pid_m * BLOCK_M
     n_valid = tl.load(NValid)
     if start < n_valid:  # (blocks past the valid rows: nothing to add)
@@ -232,7 +238,7 @@ def _slab_dc_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_DO), dtype=tl.float32)
     for k0 in range(0, n_valid, BLOCK_K):
         if USE_TMA:
-            # rows past n_valid: zeros in DZ (never written)
+            # rows past n_valid: zeros in DZ (written so by the TMA dZ launch)
             a = DZd.load([k0, pid_m * BLOCK_M])  # [BLOCK_K, BLOCK_M]
             b = Ed.load([k0, pid_d * BLOCK_DO])  # [BLOCK_K, BLOCK_DO]
         else:
@@ -309,11 +315,12 @@ def _slab_grads_kernel(
 
 @triton.jit
 def _gather_slab_kernel(
-    C, Perm, Dense, Out, D, stride_c, stride_o, slab, width,
+    C, Perm, Dense, Out, D, stride_c, stride_o, slab, width, rows,
     BLOCK_K: tl.constexpr, BLOCK_DO: tl.constexpr,
 ):  # fmt: skip
-    """Out[k] = C[Perm[k]] for k < width (Perm: the slab's sorted positions), if slab ``slab`` is
-    dense: the classes the TMA kernels read by descriptor."""
+    """Out[k] = C[Perm[k]] for k < width (Perm: the slab's sorted positions) and 0 for width <= k
+    < rows (the last slab's tile past V, which the TMA kernels read: the buffer is not zeroed at
+    allocation), if slab ``slab`` is dense: the classes the TMA kernels read by descriptor."""
     if tl.load(Dense + slab) == 0:
         return
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -321,9 +328,13 @@ def _gather_slab_kernel(
     vid = tl.load(Perm + offs_k, mask=km, other=0).to(tl.int64)
     for d0 in range(0, D, BLOCK_DO):
         offs_d = d0 + tl.arange(0, BLOCK_DO)
-        m = km[:, None] & (offs_d < D)[None, :]
-        x = tl.load(C + vid[:, None] * stride_c + offs_d[None, :], mask=m, other=0.0)
-        tl.store(Out + offs_k.to(tl.int64)[:, None] * stride_o + offs_d[None, :], x, mask=m)
+        dm = (offs_d < D)[None, :]
+        x = tl.load(C + vid[:, None] * stride_c + offs_d[None, :], mask=km[:, None] & dm, other=0.0)
+        tl.store(
+            Out + offs_k.to(tl.int64)[:, None] * stride_o + offs_d[None, :],
+            x,
+            mask=(offs_k < rows)[:, None] & dm,
+        )
 
 
 def run_dense_slabs(
@@ -370,7 +381,9 @@ def run_dense_slabs(
         raise ValueError(f"the dC tiles ({BM} classes) must divide the vocabulary tiles ({BV})")
     width_max = tiles_per_slab * BV
     dev = e2d.device
-    DZ = torch.zeros((N, width_max), dtype=e2d.dtype, device=dev)
+    # (Not zeroed: a dense slab's launches write every entry its GEMMs read, and a memset of
+    # both buffers on every step costs ~0.1 ms at N = 8192 whether a slab is dense or not.)
+    DZ = torch.empty((N, width_max), dtype=e2d.dtype, device=dev)
     scale = inv = None
     if e2d.dtype == torch.float16:
         scale = (alpha.abs() if dz_bound is None else dz_bound).amax().clamp(min=1e-30).reshape(1)
@@ -383,12 +396,12 @@ def run_dense_slabs(
         seg, trow, tpos, tcoef = targets_by_tile
     if tma:
         # Hopper: every operand by tensor descriptors, the sorted rows gathered once and a dense
-        # slab's classes into C_slab (a gated copy). The descriptors span the whole buffers: the
-        # last slab's stale rows of C_slab (finite: zeros or earlier classes) meet the zeros of
-        # dZ's columns past V.
+        # slab's classes into C_slab (a gated copy, zeros past V up to the tile's end). The
+        # descriptors span the whole buffers; the GEMMs read the last slab's buffers only up to
+        # its last tile's end (nt * BV rows of C_slab, columns of dZ), which its launches write.
         TD = tensor_descriptor()
         E_s = e2d.index_select(0, erow)
-        C_slab = torch.zeros((width_max, D), dtype=c.dtype, device=dev)
+        C_slab = torch.empty((width_max, D), dtype=c.dtype, device=dev)
         e_dz = TD.from_tensor(E_s, [BN, cfg.BLOCK_D])
         e_dc = TD.from_tensor(E_s, [BK, BDO])
         dz_de = TD.from_tensor(DZ, [BM, BK])
@@ -401,9 +414,10 @@ def run_dense_slabs(
             v0 = t0 * BV
             width = min(V, (t0 + nt) * BV) - v0
             if tma:
-                _gather_slab_kernel[(triton.cdiv(width, GK),)](
+                _gather_slab_kernel[(triton.cdiv(nt * BV, GK),)](
                     C=c, Perm=perm[v0:], Dense=dense, Out=C_slab, D=D, stride_c=c.stride(0),
-                    stride_o=C_slab.stride(0), slab=s, width=width, BLOCK_K=GK, BLOCK_DO=128, num_warps=4,
+                    stride_o=C_slab.stride(0), slab=s, width=width, rows=nt * BV, BLOCK_K=GK, BLOCK_DO=128,
+                    num_warps=4,
                 )  # fmt: skip
                 _slab_dz_tma_kernel[(triton.cdiv(N, BN), nt)](
                     Ed=e_dz, Cd=c_dz, Bias=bias, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
