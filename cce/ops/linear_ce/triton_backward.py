@@ -313,8 +313,9 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
     operand dtype with its scale; the dC ones are filled in by _dc_inputs."""
     V = c.shape[0]
     cnt = tile_sizes(V, BV, c.device)
-    # The tile means' part in fp32 (it can nearly cancel C^T C's where the means dominate).
-    g = gram(c, flag).sub_(gram(cm, flag, w=cnt)).div_(V)
+    # The tile means' part in fp32 (it can nearly cancel C^T C's where the means dominate),
+    # accumulated into the same buffer (one D x D buffer and no elementwise passes over it).
+    g = gram(cm, flag, w=cnt, scale=-1.0 / V, out=gram(c, flag, scale=1.0 / V))
     gn, gs = normalized(g, c.dtype)
     return FirstOrder(flag, gn, gs, cm)
 

@@ -60,6 +60,13 @@ def test_gram_against_float64(R, D, dtype):
     want = xr.T @ (w.double()[:, None] * xr)
     # fp16: each weighted row is rounded to fp16 before its products (2^-11 relative)
     assert rel_err(gram(x, ON, rows, w, splits=2), want) < (1e-6 if dtype == torch.float32 else 1e-3)
+    # scaled and added into a given buffer (Gbar's form: C^T C / V - means' part / V in one buffer)
+    out = gram(x, ON, scale=1.0 / 3.0)
+    both = gram(x, ON, rows, w, splits=2, scale=-0.5, out=out)
+    assert both is out
+    want2 = x.double().T @ x.double() / 3.0 - 0.5 * want
+    assert rel_err(both, want2) < (1e-6 if dtype == torch.float32 else 1e-3)
+    assert int(gram(x, OFF, scale=2.0, out=torch.zeros(D, D)).count_nonzero()) == 0
 
 
 def test_dc_first_order_against_float64():

@@ -110,24 +110,30 @@ def _gram_kernel(
     Xd,  # descriptor of X [R, D] with [BLOCK_K, BLOCK_M] blocks (no Rows, no W), or None
     Rows,  # [R] int: the rows of X taken (None: X's first R rows)
     W,  # [R] fp32 row weights, or None (1)
-    TM, TN,  # [n_pairs] int32: the (row, column) tile of each upper-triangle tile pair
     Flag,  # [1] int32: 0 turns the launch into a no-op
     G,  # [D, D] fp32, accumulated (atomics)
-    R, D, stride_x, rows_per_split,
+    R, D, stride_x, rows_per_split, scale,
     HAS_ROWS: tl.constexpr, HAS_W: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """G += X_r^T diag(w) X_r over the rows [s rows_per_split, (s + 1) rows_per_split) of
-    X_r = X[Rows] for program (pair, s), tile pair (TM[pair], TN[pair]) with TM <= TN
-    (BLOCK_M == BLOCK_N); an off-diagonal tile is added at its mirror as well, so G comes out
-    whole and symmetric. The weights scale one operand in fp32 before its rounding to X's
-    dtype."""
+    """G += scale X_r^T diag(w) X_r over the rows [s rows_per_split, (s + 1) rows_per_split) of
+    X_r = X[Rows] for program (pair, s), ``pair`` numbering the upper-triangle tile pairs
+    (tm, tn), tm <= tn, row by row (BLOCK_M == BLOCK_N); an off-diagonal tile is added at its
+    mirror as well, so G comes out whole and symmetric. The weights scale one operand in fp32
+    before its rounding to X's dtype."""
     if tl.load(Flag) == 0:
         return
     pair = tl.program_id(0)
     split = tl.program_id(1)
-    tm = tl.load(TM + pair)
-    tn = tl.load(TN + pair)
+    # (tm, tn) of the pair: row tm holds nb - tm pairs (a scalar walk over at most nb rows).
+    nb = tl.cdiv(D, BLOCK_M)
+    tm = 0
+    rem = pair
+    for _ in range(0, nb):
+        if rem >= nb - tm:
+            rem -= nb - tm
+            tm += 1
+    tn = tm + rem
     offs_m = tm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
     mm = offs_m < D
@@ -157,6 +163,7 @@ def _gram_kernel(
                 w = tl.load(W + offs_k, mask=km, other=0.0)
                 b = (b.to(tl.float32) * w[:, None]).to(X.dtype.element_ty)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    acc *= scale
     ptr = G + offs_m.to(tl.int64)[:, None] * D + offs_n[None, :]
     tl.atomic_add(ptr, acc, mask=mm[:, None] & nm[None, :], sem="relaxed")
     if tm != tn:
@@ -170,11 +177,15 @@ def gram(
     rows: torch.Tensor | None = None,
     w: torch.Tensor | None = None,
     splits: int | None = None,
+    *,
+    scale: float = 1.0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 [D, D] x_r^T diag(w) x_r, x_r = x[rows] (all of x without ``rows``; w fp32, 1
+    """fp32 [D, D] scale x_r^T diag(w) x_r, x_r = x[rows] (all of x without ``rows``; w fp32, 1
     without), with fp32 accumulation, if flag (int32 [1] on the device) is nonzero, else zeros;
-    no host synchronisation. The upper-triangle tiles split the rows over ``splits`` programs
-    each (default: enough programs to fill the device about twice). fp32 operands go through
+    added to ``out`` (fp32 [D, D], returned) where given; no host synchronisation. The
+    upper-triangle tiles split the rows over ``splits`` programs each (default: enough programs
+    to fill the device about twice). fp32 operands go through
     TF32 products on a GPU (2^-11 relative per product; ieee fp32 dots ran 40x slower on an
     H100), exactly in the interpreter."""
     R = x.shape[0] if rows is None else rows.numel()
@@ -186,21 +197,19 @@ def gram(
         BM, BK, warps, stages = 128, 64, 8, 4
     elif x.dtype == torch.float32 and not interpreting():
         BK, prec = 32, "tf32"
-    g = torch.zeros((D, D), dtype=torch.float32, device=x.device)
+    g = torch.zeros((D, D), dtype=torch.float32, device=x.device) if out is None else out
     if R == 0 or D == 0:
         return g
     nb = triton.cdiv(D, BM)
-    tm, tn = torch.triu_indices(nb, nb, device=x.device).to(torch.int32)
-    pairs = tm.numel()
+    pairs = nb * (nb + 1) // 2
     if splits is None:
         sms = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
         splits = max(1, min(triton.cdiv(R, 4 * BK), triton.cdiv(2 * sms, pairs)))
     per = triton.cdiv(triton.cdiv(R, splits), BK) * BK
     with device_context(x.device):
         _gram_kernel[(pairs, triton.cdiv(R, per))](
-            X=x, Xd=tensor_descriptor().from_tensor(x, [BK, BM]) if tma else None, Rows=rows, W=w, TM=tm,
-            TN=tn, Flag=flag, G=g, R=R, D=D, stride_x=x.stride(0),
-            rows_per_split=per,
+            X=x, Xd=tensor_descriptor().from_tensor(x, [BK, BM]) if tma else None, Rows=rows, W=w,
+            Flag=flag, G=g, R=R, D=D, stride_x=x.stride(0), rows_per_split=per, scale=float(scale),
             BLOCK_M=BM, BLOCK_N=BM, BLOCK_K=BK, PRECISION=prec, num_warps=warps,
             num_stages=stages,
         )  # fmt: skip
