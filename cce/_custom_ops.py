@@ -53,8 +53,9 @@ class _Packing:
     def __init__(self, args: type):
         hints = typing.get_type_hints(args)
         self.args = args
-        self.direct = [i for i, f in enumerate(args._fields) if _numeric(hints[f]) is None]
-        self.numeric = [(i, *_numeric(hints[f])) for i, f in enumerate(args._fields) if _numeric(hints[f])]
+        kinds = [_numeric(hints[f]) for f in args._fields]
+        self.direct = [i for i, k in enumerate(kinds) if k is None]
+        self.numeric = [(i, *k) for i, k in enumerate(kinds) if k is not None]
         self.hints = {f: _schema_type(hints[f]) for f in (args._fields[i] for i in self.direct)}
 
     def pack(self, values: tuple) -> tuple:
