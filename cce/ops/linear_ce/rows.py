@@ -59,6 +59,7 @@ class RowOrder:
         self.n_valid = self.valid.sum(dtype=torch.int32).reshape(1)
         pos = torch.where(self.valid, cv - 1, self.n_valid + ar - cv)
         self.perm = torch.empty_like(ar).scatter_(0, pos, ar)
+        self.identity = rows is None  # problem row i is e2d row i
         self.erow = rows if rows is not None else ar  # e2d row, problem order
         self.erow_s = self.perm if rows is None else rows.index_select(0, self.perm).contiguous()
 
@@ -78,11 +79,16 @@ def vocab_scores(e2d, c, bias, r: RowOrder) -> tuple[torch.Tensor, torch.Tensor]
     Frequent classes have large mean logits in every row, so the tiles that must be kept cluster
     at the front and the rest can be skipped as whole tiles.
     """
-    esum = torch.zeros(e2d.shape[1], dtype=torch.float32, device=e2d.device)
-    valid_s = torch.arange(r.N, device=e2d.device) < r.n_valid
-    for s, t in row_chunks(r.N):
-        rows = e2d.index_select(0, r.erow_s[s:t]).float()
-        esum += (rows * valid_s[s:t, None]).sum(0)
+    # The valid rows' sum as one product with fp32 accumulation: w (0 / 1 per e2d row, exact in
+    # any dtype) times e2d, no gathered or converted copy of the rows.
+    if r.identity:
+        w = r.valid.to(e2d.dtype)
+    else:  # (index_add_: a row read twice counts twice, as in the mean over the problem's rows)
+        w = e2d.new_zeros(e2d.shape[0]).index_add_(0, r.erow, r.valid.to(e2d.dtype))
+    if e2d.is_cuda and e2d.dtype in (torch.bfloat16, torch.float16):
+        esum = torch.mm(w[None], e2d, out_dtype=torch.float32)[0]
+    else:
+        esum = w.float() @ e2d.float()
     ebar = esum / r.n_valid.clamp(min=1).float()
     score = torch.mv(c, ebar.to(c.dtype)).float()
     if bias is not None:

@@ -26,10 +26,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .kernels.common import de_norm_sq, inverse_permutation, mm_f32, tile_sizes
+from .kernels.common import de_norm_sq, inverse_permutation, mm_f32
 from .kernels.dense_slabs import slab_products
 from .kernels.dz import class_sample_dz
-from .kernels.slab_rule import RULE_KERNEL_SLABS, row_masses, sampled_dz, slab_flags, systematic_sample
+from .kernels.slab_rule import (
+    RULE_KERNEL_SLABS,
+    dc_tile_errors,
+    row_masses,
+    sampled_dz,
+    slab_flags,
+    systematic_sample,
+)
 from .kernels.tile_stats import STATS_STEPS, decode_tile_mass
 
 # Rows sampled by slab_errors. Their weighted error estimates the whole batch's; rows are drawn
@@ -124,6 +131,10 @@ def slab_errors(
     vscore: torch.Tensor | None = None,
     coef_t: torch.Tensor | None = None,
     eta_s: torch.Tensor | None = None,
+    *,
+    vpos: torch.Tensor | None = None,
+    q: torch.Tensor | None = None,
+    M: torch.Tensor | None = None,
 ) -> SlabErrors:
     """SlabErrors for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] is what the rank-1 corrections of the skipped tiles of slab s
@@ -172,7 +183,7 @@ def slab_errors(
     if cm is not None:
         # G e_i = sum_v x_iv c_v with x_iv = e_i . (c_v - mean(C_j(v))) (class order; bf16
         # weights where c is bf16: an estimate's accuracy, one cuBLAS pass over C).
-        tile_of = inverse_permutation(vp) // BLOCK_V
+        tile_of = (inverse_permutation(vp) if vpos is None else vpos) // BLOCK_V
         x = z - mm_f32(es, cm.T.to(es.dtype), None).index_select(1, tile_of)
         gx = mm_f32(x.to(c.dtype), c, None)  # [k, D]
         if vscore is None:
@@ -205,13 +216,33 @@ def slab_errors(
     if vscore is None:
         return SlabErrors(err, ref, fo, ref_sq=ref_sq)
     dc_err, dc_err_fo = dc_error_terms(
-        code, n_valid, es, scale, w, S, x, vp, vscore, BLOCK_V, width, None if SF is S else SF
+        code, n_valid, es, scale, w, S, x, vp, vscore, BLOCK_V, width, None if SF is S else SF, q=q, M=M
     )
     del w, x
     dc_ref = dc_norm_estimate(
         e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap, eta_s=eta_s
     )
     return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref, ref_sq)
+
+
+def mean_row_spread(vscore: torch.Tensor, n_tiles: int, BLOCK_V: int) -> torch.Tensor:
+    """fp32 [n_tiles, BLOCK_V]: how a skipped tile's dC correction G_j spreads over its classes,
+    the softmax of the forward's class scores ``vscore`` (the mean-row logits, sorted positions)
+    within each tile; 0 past V and in a tile whose classes a -inf bias masks (softmax NaN there:
+    no mass to spread)."""
+    sc = F.pad(vscore, (0, n_tiles * BLOCK_V - vscore.numel()), value=float("-inf"))
+    return torch.softmax(sc.view(n_tiles, BLOCK_V), dim=1).nan_to_num_(0.0)
+
+
+def tile_masses(code: torch.Tensor) -> torch.Tensor:
+    """fp32 [n_tiles]: each tile's decoded skipped masses summed over the rows (kept tiles and
+    ignored rows have code 255, mass 0), in chunks of _MASS_ROWS rows (bounds the fp32
+    temporary)."""
+    N, nt = code.shape
+    M = torch.zeros(nt, dtype=torch.float32, device=code.device)
+    for s0 in range(0, N, _MASS_ROWS):
+        M += decode_tile_mass(code[s0 : s0 + _MASS_ROWS]).sum(0)
+    return M
 
 
 def dc_error_terms(
@@ -227,10 +258,15 @@ def dc_error_terms(
     BLOCK_V: int,
     width: int,
     SF: torch.Tensor | None = None,
+    *,
+    q: torch.Tensor | None = None,
+    M: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dc_err [n_slabs], dc_err_fo [n_slabs] or None): dC's squared error per slab estimated
-    from slab_errors' sampled rows (its es, scale, w, S, x; SF: the first-order terms' weights
-    (a_ij + eta_i) S'_ij with the entropy's term, None: S).
+    """(dc_err [n_slabs], dc_err_fo [n_slabs] or None): dC's squared error per slab (``width``
+    sorted positions, a multiple of BLOCK_V) estimated from slab_errors' sampled rows (its es,
+    scale, w, S, x; SF: the first-order terms' weights (a_ij + eta_i) S'_ij with the entropy's
+    term, None: S). ``q``: mean_row_spread(vscore) and ``M``: tile_masses(code), where the caller
+    has them.
 
     dC = sum_i F_i e_i^T (F_i the row's dZ over the classes), and each skipped (row, class) pair
     errs by W_iv = dZ_iv - alpha_i S'_ij q_v, q the spread of the correction G_j = sum_i alpha_i
@@ -246,49 +282,34 @@ def dc_error_terms(
 
     (s = scale) is unbiased for independent draws (the pairs' means are the sum's; the k
     squared terms, which would add the rows' own noise, are left out) and exact with every row
-    sampled (then all pairs, the squares included, and scale 1).
+    sampled (then all pairs, the squares included, and scale 1). The sums over a tile's
+    positions and pairs run in one launch (kernels/slab_rule.dc_tile_errors), the tiles' sums
+    per slab here.
     """
     N, nt = code.shape
     V = vp.numel()
     k = es.shape[0]
-    dev = es.device
-    f32 = torch.float32
-    n_slabs = -(-nt * BLOCK_V // width)
+    tps = width // BLOCK_V
+    n_slabs = -(-nt // tps)
     esc = es.float() * scale[:, None]
     pair = esc @ esc.T  # [k, k]: s_m s_m' (e_m . e_m')
-    if N > k:
-        pair.fill_diagonal_(0.0).mul_(k / (k - 1))
-    inv_size = (1.0 / tile_sizes(V, BLOCK_V, dev))[:, None]  # [nt, 1]
-
-    def per_slab(W: torch.Tensor) -> torch.Tensor:
-        # W: [k, nt * BLOCK_V] sorted positions, rows times s (a carries the scale); the last
-        # tile's positions past V are no classes. sum_{m, m'} pair_mm' (W_m,s . W_m',s) =
-        # sum_{v in s} sum_m W_mv (pair W)_mv: one [k, k] x [k, V] product and a column sum per
-        # slab (a batched [k, width] x [width, k] product per slab has k^2 outputs per slab and a
-        # reduction over up to 64k positions, which cuBLAS ran on a few SMs: 2 ms at V = 256000).
-        Wv = W[:, :V]
-        col = (Wv * (pair @ Wv)).sum(0)  # [V]
-        return F.pad(col, (0, n_slabs * width - V)).view(n_slabs, width).sum(1)
-
-    # Without the first-order terms: the correction spread by q (triton_backward._dc_inputs).
-    sc = torch.full((nt * BLOCK_V,), float("-inf"), dtype=f32, device=dev)
-    sc[:V] = vscore
-    q = torch.softmax(sc.view(nt, BLOCK_V), dim=1).nan_to_num_(0.0)  # [nt, BLOCK_V]; masked tiles 0
-    wq = (w.view(k, nt, BLOCK_V) + S[:, :, None] * (inv_size[None] - q[None])).view(k, -1)
-    dc_err = per_slab(wq)
-    del wq
-    if x is None:
-        return dc_err, None
-    M = torch.zeros(nt, dtype=f32, device=dev)
-    valid = (torch.arange(N, device=dev) < n_valid.long())[:, None]
-    for s0 in range(0, N, _MASS_ROWS):
-        s1 = min(s0 + _MASS_ROWS, N)
-        M += (decode_tile_mass(code[s0:s1]) * valid[s0:s1]).sum(0)
-    rate = M / M.sum().clamp(min=1e-30) * inv_size[:, 0]  # r_j / |j|
-    wf = torch.zeros((k, nt * BLOCK_V), dtype=f32, device=dev)
-    wf[:, :V] = x.index_select(1, vp)
-    wf.view(k, nt, BLOCK_V).mul_(rate[None, :, None] * (S if SF is None else SF).sum(1)[:, None, None])
-    return dc_err, per_slab(w - wf)
+    if q is None:
+        q = mean_row_spread(vscore, nt, BLOCK_V)
+    fo = {}
+    if x is not None:
+        if M is None:
+            M = tile_masses(code)
+        f = (S if SF is None else SF).sum(1)
+        fo = dict(x=x, vperm=vp, rate=M / M.sum().clamp(min=1e-30), f=f)
+    sampled = N > k
+    out = (
+        dc_tile_errors(
+            w, S, q.reshape(-1), pair, sampled, k / (k - 1) if sampled else 1.0, V, n_slabs * tps, **fo
+        )
+        .view(2, n_slabs, tps)
+        .sum(2)
+    )
+    return out[0], None if x is None else out[1]
 
 
 def dc_norm_estimate(
@@ -329,7 +350,6 @@ def dc_norm_estimate(
     m = min(tail, V - h)
     posn = torch.arange(h, device=dev)
     wt = torch.ones(h + m, dtype=f32, device=dev)
-    valid = torch.arange(N, device=dev) < n_valid.long()
     if m > 0:
         # Systematic sampling in proportion to (targets of the class + their mean over classes):
         # a class's target rows make a large part of its gradient, so a class that is the
@@ -337,6 +357,7 @@ def dc_norm_estimate(
         # spike), the others evenly.
         # (index_add_, not bincount, which reads its input's maximum on the host; sums of
         # ones in fp32 are exact in any order below 2^24 rows)
+        valid = torch.arange(N, device=dev) < n_valid.long()
         cnt = torch.zeros(V, dtype=f32, device=dev).index_add_(0, t_s.long(), valid.float())
         j, wt_tail = systematic_sample(cnt.index_select(0, vp[h:]), n_valid, m, rows=False, add=1.0 / V)
         posn = torch.cat([posn, h + j])
@@ -345,9 +366,8 @@ def dc_norm_estimate(
     Cs = c.index_select(0, cls)
     bs = None if bias is None else bias.float().index_select(0, cls)
     dC = torch.zeros((h + m, D), dtype=f32, device=dev)
-    a = torch.where(valid, alpha_s, 0.0)
-    b = torch.where(valid, beta_s, 0.0)
-    et = None if eta_s is None else torch.where(valid, eta_s, 0.0)
+    # (alpha, beta and eta are 0 at the ignored rows, which sort past n_valid: _math.coefficients)
+    a, b, et = alpha_s, beta_s, eta_s
     rows = max(1, chunk_bytes // (4 * max(h + m, 1)))
     t_l = t_s.long()
     for s0 in range(0, N, rows):

@@ -23,7 +23,7 @@ from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, skipped_slogs, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
-from .slab_choice import dense_slab_flags, slab_errors
+from .slab_choice import dense_slab_flags, mean_row_spread, slab_errors, tile_masses
 
 
 def coefficient_backward(
@@ -235,6 +235,12 @@ def sparse_backward(
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
     dense = live = fo = None
     dc_rule = need_dc and slab_error_dc < 1
+    # Read by several of the step's parts, made once (host time of a step at small N or on one
+    # rank's block, docs/benchmarks.md): each class's sorted position, the mean-row spread of
+    # the dC corrections, and the tiles' skipped masses summed over the rows.
+    vpos = inverse_permutation(vperm.long())
+    q = mean_row_spread(vscore, nt, BV) if need_dc else None
+    masses = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1 or dc_rule):
         errors = cost = cm = None
         if slab_error < 1 or dc_rule:
@@ -244,10 +250,13 @@ def sparse_backward(
                 # operands, D x D buffers, and gated launches are then left out.)
                 cm = tile_means(c, vperm, BV, f32)
                 cost = fo_cost
+                if need_dc:
+                    masses = tile_masses(code)
             # (dC's estimates only where dC is wanted.)
             errors = slab_errors(
                 e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
                 BN, BV, tps * BV, cm=cm, vscore=vscore if dc_rule else None, coef_t=coef, eta_s=eta_s,
+                vpos=vpos, q=q, M=masses,
             )  # fmt: skip
         dense, flag = dense_slab_flags(
             code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc
@@ -274,8 +283,9 @@ def sparse_backward(
             wc = weighted_rows(w, c)
     if need_dc:
         dc_in = _dc_inputs(
-            e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV, live, fo, eta_s, slog, lse_s
-        )
+            e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV, live, fo, eta_s, slog, lse_s,
+            masses,
+        )  # fmt: skip
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
     cap = KS.kept_scratch_tiles(N, e2d.dtype, dc_scratch_tiles) if need_dc else 0
@@ -321,32 +331,32 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
 
 
 def _dc_inputs(
-    e2d, r, keep, code, alpha_s, coef, t_s, vperm, vscore, gamma, BV: int, live=None, fo=None, eta_s=None,
-    slog=None, lse_s=None,
+    e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV: int, live=None, fo=None, eta_s=None,
+    slog=None, lse_s=None, masses=None,
 ):  # fmt: skip
     """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
-    kernels.backward_sparse.SparsePlan. With ``eta_s`` a skipped tile's mass carries the
-    entropy's coefficient alpha_i + eta_i zbar_ij, as in dE: ``slog`` [N, n_tiles] holds
-    S_ij (zbar_ij - lse_i + log BV) (tile_stats.skipped_slogs) and ``lse_s`` the rows' lse.
+    kernels.backward_sparse.SparsePlan. ``valid_s``: the sorted rows below n_valid; ``vpos``: each
+    class's sorted position; ``q``: the mean-row spread of the corrections
+    (slab_choice.mean_row_spread). With ``eta_s`` a skipped
+    tile's mass carries the entropy's coefficient alpha_i + eta_i zbar_ij, as in dE: ``slog``
+    [N, n_tiles] holds S_ij (zbar_ij - lse_i + log BV) (tile_stats.skipped_slogs) and ``lse_s``
+    the rows' lse.
 
     ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
     count. Built in this function so that nothing but the plan holds them (the launcher releases them
     once dC is written, before dE and the tile means are allocated). With ``fo`` (FirstOrder)
     also its dC operands H = sum_i F_i e_i e_i^T (F_i = alpha_i S_i, with eta
-    sum_j (a_ij + eta_i) S_ij), rate and tile_of, and where its flag is
-    set the zeroth-order spread q is uniform over the tile (the first-order term carries what
-    the mean-row softmax spread would)."""
+    sum_j (a_ij + eta_i) S_ij), rate (from ``masses``, slab_choice.tile_masses, restricted to
+    the live tiles) and tile_of, and where its flag is set the zeroth-order spread q is uniform
+    over the tile (the first-order term carries what the mean-row softmax spread would)."""
     N, nt = code.shape
-    V, D = vperm.numel(), e2d.shape[1]
+    V, D = vpos.numel(), e2d.shape[1]
     dev, f32 = e2d.device, torch.float32
-    pos = torch.arange(N, device=dev)
-    valid_s = pos < r.n_valid
     list_c, cnt_c = compact_lists(keep.T.contiguous())
     # G_j = sum_i a_ij S_ij e_i over the rows whose tile j is skipped (a_ij = alpha_i without eta).
     G = torch.zeros(nt, D, dtype=f32, device=dev)
     if fo is not None:
         srow = torch.empty(N, dtype=f32, device=dev)  # F_i: alpha_i S_i, with eta sum_j (a_ij + eta_i) S_ij
-        mass = torch.zeros(nt, dtype=f32, device=dev)
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
     step = _chunk_rows(nt, D, e2d.element_size())
     for s in range(0, N, step):
@@ -366,22 +376,17 @@ def _dc_inputs(
         else:
             G += S.T @ E_c.float()
         if fo is not None:
-            mass += (M * valid_s[s:t, None]).sum(0)
             srow[s:t] = S.sum(1) if eta_s is None else S.sum(1) + eta_s[s:t] * M.sum(1)
-    # q: how G_j is spread over the tile, the softmax of the mean-row logits within it.
-    sc = torch.full((nt * BV,), float("-inf"), dtype=f32, device=dev)
-    sc[:V] = vscore
-    # (A tile of classes a -inf bias masks: softmax NaN, and no mass to spread: q 0 there.)
-    q = torch.softmax(sc.view(nt, BV), dim=1).nan_to_num_(0.0).reshape(-1)[:V]
-    inv = inverse_permutation(vperm.long())
+    q = q.reshape(-1)[:V]
     if fo is not None:
         cnt = tile_sizes(V, BV, dev)
         q = torch.where(fo.flag.bool(), (1.0 / cnt).repeat_interleave(BV)[:V], q)
         fo.H = gram(e2d, fo.flag, r.erow_s, srow)
+        mass = masses if live is None else masses * live
         fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt
-        fo.tile_of = (inv // BV).to(torch.int32)
+        fo.tile_of = (vpos // BV).to(torch.int32)
     q = q.contiguous()
-    tp = inv.index_select(0, t_s)
+    tp = vpos.index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)
     trow = r.erow_s.index_select(0, order).contiguous()

@@ -543,3 +543,125 @@ def sampled_dz(
                 BLOCK_N=BLOCK_N, HAS_SOFTCAP=softcap > 0, BLOCK_V=BLOCK_V,
             )  # fmt: skip
     return w2, S, S if SF is None else SF
+
+
+# dC's squared error per tile from the sampled rows (slab_choice.dc_error_terms). For the k
+# sampled rows m and the positions p < V of tile j (sorted vocabulary):
+#
+#   W0[m, p] = w[m, p] + S[m, j] (1 / |j| - q[p])              (the correction spread by q)
+#   W1[m, p] = w[m, p] - X[m, vperm[p]] F[m] rate[j] / |j|      (the first-order terms': spread
+#                                                                uniform, their x_mv share off)
+#   Out[b, j] = sum_p sum_{m, m'} W_b[m, p] P[m, m'] W_b[m', p]
+#
+# with P = pair_scale x Pair, its diagonal zeroed with ZERO_DIAG (the U-statistic leaves out the
+# rows' squares where rows are sampled). The k rows go in blocks of BLOCK_K, fp32 IEEE products
+# (an estimate, but one that is exact when every row is sampled: tests compare it with float64).
+@triton.jit
+def _dc_weights(
+    W, S, Q, X, Vperm, F, offs_m, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x,
+    FO: tl.constexpr,
+):  # fmt: skip
+    """W0 (FO False) or W1 (FO True) of the rows offs_m, [BLOCK_K, BLOCK_V]; 0 past k and V."""
+    mm = offs_m < k
+    pm = offs_p < V
+    msk = mm[:, None] & pm[None, :]
+    w = tl.load(W + offs_m.to(tl.int64)[:, None] * stride_w + offs_p[None, :], mask=msk, other=0.0)
+    if FO:
+        v = tl.load(Vperm + offs_p, mask=pm, other=0).to(tl.int64)
+        x = tl.load(X + offs_m.to(tl.int64)[:, None] * stride_x + v[None, :], mask=msk, other=0.0)
+        f = tl.load(F + offs_m, mask=mm, other=0.0)
+        return w - x * (f * (rate * inv_size))[:, None]
+    s = tl.load(S + offs_m * nt + j, mask=mm, other=0.0)
+    q = tl.load(Q + offs_p, mask=pm, other=0.0)
+    return tl.where(msk, w + s[:, None] * (inv_size - q)[None, :], 0.0)
+
+
+@triton.heuristics({"HAS_FO": lambda a: a["X"] is not None})
+@triton.jit
+def _dc_error_kernel(
+    W,  # [k, >= V] fp32 (rows of stride stride_w): the corrections' error weights (sampled_dz)
+    S,  # [k, nt] fp32: alpha_m S'_mj (sampled_dz)
+    Q,  # [nt BLOCK_V] fp32: the mean-row spread within each tile (0 past V)
+    Pair,  # [k, k] fp32: s_m s_m' (e_m . e_m')
+    X, Vperm, Rate, F,  # with the first-order terms: [k, V] fp32 x_mv (class order), [V], [nt], [k]; or None
+    Out,  # [2, stride_out] fp32 out: row 0 the Out[0, j] above, row 1 Out[1, j] (HAS_FO)
+    k, V, nt, stride_w, stride_x, stride_out, pair_scale,
+    ZERO_DIAG: tl.constexpr, HAS_FO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    j = tl.program_id(0)
+    offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
+    inv_size = 1.0 / tl.minimum(V - j * BLOCK_V, BLOCK_V).to(tl.float32)
+    rate = 0.0
+    if HAS_FO:
+        rate = tl.load(Rate + j)
+    col0 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    col1 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for m0 in range(0, k, BLOCK_K):
+        offs_m = m0 + tl.arange(0, BLOCK_K)
+        acc0 = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+        for m1 in range(0, k, BLOCK_K):
+            offs_n = m1 + tl.arange(0, BLOCK_K)
+            pmask = (offs_m < k)[:, None] & (offs_n < k)[None, :]
+            pair = tl.load(Pair + offs_m[:, None] * k + offs_n[None, :], mask=pmask, other=0.0)
+            if ZERO_DIAG:
+                pair = tl.where(offs_m[:, None] == offs_n[None, :], 0.0, pair)
+            pair = pair * pair_scale  # [BLOCK_K, BLOCK_K]
+            w0 = _dc_weights(
+                W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, False
+            )
+            acc0 = tl.dot(pair, w0, acc0, input_precision="ieee")  # [BLOCK_K, BLOCK_V]
+            if HAS_FO:
+                w1 = _dc_weights(
+                    W,
+                    S,
+                    Q,
+                    X,
+                    Vperm,
+                    F,
+                    offs_n,
+                    offs_p,
+                    j,
+                    inv_size,
+                    rate,
+                    k,
+                    V,
+                    nt,
+                    stride_w,
+                    stride_x,
+                    True,
+                )
+                acc1 = tl.dot(pair, w1, acc1, input_precision="ieee")
+        w0 = _dc_weights(
+            W, S, Q, X, Vperm, F, offs_m, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, False
+        )
+        col0 += tl.sum(w0 * acc0, axis=0)
+        if HAS_FO:
+            w1 = _dc_weights(
+                W, S, Q, X, Vperm, F, offs_m, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, True
+            )
+            col1 += tl.sum(w1 * acc1, axis=0)
+    tl.store(Out + j, tl.sum(col0, axis=0))
+    if HAS_FO:
+        tl.store(Out + stride_out + j, tl.sum(col1, axis=0))
+
+
+def dc_tile_errors(
+    w, S, q, pair, zero_diag: bool, pair_scale: float, V: int, n_out: int, x=None, vperm=None, rate=None,
+    f=None,
+) -> torch.Tensor:  # fmt: skip
+    """fp32 [2, n_out]: the per-tile sums Out[0, j] (and Out[1, j] with ``x``, the first-order
+    terms' variant: x, vperm, rate (fp32 [nt], M_j / sum M) and f (fp32 [k]) all given) of the
+    comment above _dc_error_kernel for tiles j < nt (S's columns); entries past nt (and row 1
+    without x) are 0. One launch in place of some thirty torch ops over [k, V] temporaries."""
+    k, nt = S.shape
+    BV = q.numel() // max(1, nt)
+    out = torch.zeros((2, n_out), dtype=torch.float32, device=w.device)
+    if k and nt:
+        with device_context(w.device):
+            _dc_error_kernel[(nt,)](
+                W=w, S=S, Q=q, Pair=pair, X=x, Vperm=vperm, Rate=rate, F=f, Out=out, k=k, V=V, nt=nt,
+                stride_w=w.stride(0), stride_x=0 if x is None else x.stride(0), stride_out=out.stride(0),
+                pair_scale=float(pair_scale), ZERO_DIAG=zero_diag, BLOCK_K=16, BLOCK_V=BV, num_warps=8,
+            )  # fmt: skip
+    return out
