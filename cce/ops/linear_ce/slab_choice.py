@@ -380,7 +380,7 @@ def dc_norm_estimate(
             None if et is None else et[s0:s1],
         )  # fmt: skip
         dC += mm_f32(dz.T, E, None)
-    return (dC.square().sum(1) * wt).sum()
+    return torch.dot(dC.square_().sum(1), wt)
 
 
 def dense_slab_flags(

@@ -133,7 +133,7 @@ def loss_backward(
 # Bytes of each temporary of _dc_inputs' row chunks (fp32 [rows, tiles], the gathered [rows, D]
 # rows): one chunk up to these sizes, since every chunk costs about ten host launches and small
 # steps are bound by the host (docs/benchmarks.md).
-_SPARSE_CHUNK_BYTES = 32 << 20
+_SPARSE_CHUNK_BYTES = 64 << 20
 
 
 def _chunk_rows(n_tiles: int, D: int, elem_bytes: int) -> int:
@@ -389,9 +389,9 @@ def _dc_inputs(
     tp = vpos.index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)
-    trow = r.erow_s.index_select(0, order).contiguous()
+    trow = r.erow_s.index_select(0, order)
     tpos = tp.index_select(0, order).to(torch.int32)
-    tcoef = coef.index_select(0, order).contiguous()
+    tcoef = coef.index_select(0, order)
     seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
     ge = None if gamma is None else weighted_rows(gamma, e2d, r.erow)
     return list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge
