@@ -347,14 +347,15 @@ def _dc_inputs(
     once dC is written, before dE and the tile means are allocated). With ``fo`` (FirstOrder)
     also its dC operands H = sum_i F_i e_i e_i^T (F_i = alpha_i S_i, with eta
     sum_j (a_ij + eta_i) S_ij), rate (from ``masses``, slab_choice.tile_masses, restricted to
-    the live tiles) and tile_of, and where its flag is set the zeroth-order spread q is uniform
-    over the tile (the first-order term carries what the mean-row softmax spread would)."""
+    the live tiles) and tile_of; where its flag is set the dC writer spreads the zeroth-order
+    correction uniformly over the tile instead of by q (the first-order term carries what the
+    mean-row softmax spread would)."""
     N, nt = code.shape
     V, D = vpos.numel(), e2d.shape[1]
     dev, f32 = e2d.device, torch.float32
     list_c, cnt_c = compact_lists(keep.T.contiguous())
     # G_j = sum_i a_ij S_ij e_i over the rows whose tile j is skipped (a_ij = alpha_i without eta).
-    G = torch.zeros(nt, D, dtype=f32, device=dev)
+    G = None
     if fo is not None:
         srow = torch.empty(N, dtype=f32, device=dev)  # F_i: alpha_i S_i, with eta sum_j (a_ij + eta_i) S_ij
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
@@ -372,20 +373,21 @@ def _dc_inputs(
             S += M * (h * (ls - math.log(BV))) + sl * h
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
-            G += torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
+            part = torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
         else:
-            G += S.T @ E_c.float()
+            part = S.T @ E_c.float()
+        G = part if G is None else G.add_(part)
         if fo is not None:
             srow[s:t] = S.sum(1) if eta_s is None else S.sum(1) + eta_s[s:t] * M.sum(1)
-    q = q.reshape(-1)[:V]
+    if G is None:  # (no rows)
+        G = torch.zeros(nt, D, dtype=f32, device=dev)
+    q = q.reshape(-1)[:V]  # (the dC writer spreads uniformly instead where fo's flag is set)
     if fo is not None:
         cnt = tile_sizes(V, BV, dev)
-        q = torch.where(fo.flag.bool(), (1.0 / cnt).repeat_interleave(BV)[:V], q)
         fo.H = gram(e2d, fo.flag, r.erow_s, srow)
         mass = masses if live is None else masses * live
         fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt
         fo.tile_of = (vpos // BV).to(torch.int32)
-    q = q.contiguous()
     tp = vpos.index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)

@@ -339,22 +339,24 @@ def _sparse_de_kernel(
         "HAS_SMOOTH": lambda a: a["GE"] is not None,
         "HAS_DENSE": lambda a: a["Dense"] is not None,
         "HAS_ETA": lambda a: a["Eta"] is not None,
+        "HAS_FO": lambda a: a["GFlag"] is not None,
     }
 )
 @triton.jit
 def _sparse_dc_kernel(
     E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
-    Gidx, Scratch, ScaleBuf, Dense, dC,
+    Gidx, Scratch, ScaleBuf, Dense, GFlag, dC,
     V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, cap, tiles_per_slab,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_DENSE: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_DENSE: tl.constexpr, HAS_ETA: tl.constexpr, HAS_FO: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
     BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dC[ids of one vocabulary tile, one D chunk], written once in dC's dtype:
 
     sum over the tile's kept token blocks of dZ_tile^T @ E_block (recomputed)
-    + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile)
+    + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile;
+      uniformly, 1 / |j|, where GFlag is nonzero: the first-order terms carry the rest)
     + sum over the rows i with t_i in the tile of coef_i e_i (exact in fp32) [- w_v sum_i gamma_i e_i].
 
     Tiles of a dense slab (Dense, per slab of tiles_per_slab tiles, or None) are written by
@@ -389,6 +391,10 @@ def _sparse_dc_kernel(
         )  # [BLOCK_N, BLOCK_DO]
         acc += tl.dot(tl.trans(dzc), e, input_precision=PRECISION) * scale
     q = tl.load(Q + offs_p, mask=col_mask, other=0.0)
+    if HAS_FO:
+        if tl.load(GFlag) != 0:
+            size = tl.minimum(V - pid_v * BLOCK_V, BLOCK_V).to(tl.float32)
+            q = tl.where(col_mask, 1.0 / size, 0.0)
     g = tl.load(G + pid_v.to(tl.int64) * stride_g + offs_do, mask=dmask, other=0.0)
     acc += q[:, None] * g[None, :]
     acc = add_dc_targets(
@@ -413,9 +419,10 @@ class SparsePlan:
     skipped tiles' masses (encode_tile_stats);
     coef: per row, the exact target entry p_t (alpha [+ eta z_t]) - beta (times softcap');
     g [n_tiles, D] fp32 skipped mass times its coefficient times e per tile, q [V]
-    its spread within the tile (per position); trow / tpos / tcoef: valid rows ordered by the
-    tile of their target (e2d row, target position, coef) with seg [n_tiles + 1] the tile
-    boundaries; wc, ge: the smoothing terms sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
+    its spread within the tile (per position; uniform instead where fo's flag is set);
+    trow / tpos / tcoef: valid rows ordered by the tile of their target (e2d row, target
+    position, coef) with seg [n_tiles + 1] the tile boundaries; wc, ge: the smoothing terms
+    sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
     """
 
     keep: torch.Tensor
@@ -581,7 +588,8 @@ def linear_ce_backward_sparse(
                 _sparse_dc_kernel[(n_vtiles, triton.cdiv(D, BDO_C))](
                     W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
                     TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
-                    Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense, dC=dC,
+                    Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense,
+                    GFlag=None if plan.fo is None else plan.fo.flag, dC=dC,
                     stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap,
                     tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
                     BLOCK_R=BR, num_warps=warps, num_stages=2, **common,
