@@ -216,7 +216,7 @@ def slab_errors(
     if vscore is None:
         return SlabErrors(err, ref, fo, ref_sq=ref_sq)
     dc_err, dc_err_fo = dc_error_terms(
-        code, n_valid, es, scale, w, S, x, vp, vscore, BLOCK_V, width, None if SF is S else SF, q=q, M=M
+        code, es, scale, w, S, x, vp, vscore, BLOCK_V, width, None if SF is S else SF, q=q, M=M
     )
     del w, x
     dc_ref = dc_norm_estimate(
@@ -247,7 +247,6 @@ def tile_masses(code: torch.Tensor) -> torch.Tensor:
 
 def dc_error_terms(
     code: torch.Tensor,
-    n_valid: torch.Tensor,
     es: torch.Tensor,
     scale: torch.Tensor,
     w: torch.Tensor,
