@@ -91,6 +91,13 @@ class Tuning:
             on the device where they and the slabs the rule still needs cost less than the
             slabs the rank-1 corrections alone need (near-uniform softmaxes: an untrained
             model, random logits).
+        host_gating: where the device's choice of dense slabs and first-order terms has
+            reached the host by the time the launches it gates are issued (a small copy started
+            when the choice is made and read once it has completed: never a wait or a
+            synchronisation), the launches and buffers it turns off are left out; a step bound
+            by the host then issues fewer launches (cce/ops/linear_ce/host_peek.py). False:
+            every gated launch is issued. The gradients are the same bit for bit either way;
+            under CUDA-graph capture every gated launch is issued.
         dense_slab_bytes: bytes of the dZ slab of the dense slabs (with the gated launches per
             slab, larger slabs cost fewer host launches and fill the GPU better:
             docs/benchmarks.md).
@@ -129,6 +136,7 @@ class Tuning:
     slab_error_dc: float = 3.0e-3
     dense_slab_bytes: int = 256 << 20
     first_order: bool = True
+    host_gating: bool = True
     sparse_min_flops: float | None = None
     sparse_min_classes: int | None = None
     fused: bool = True
@@ -144,7 +152,7 @@ class Tuning:
         _check_positive_int("dc_scratch_tiles", self.dc_scratch_tiles, allow_none=True)
         _check_positive_int("dense_slab_bytes", self.dense_slab_bytes)
         _check_positive_int("fused_chunk_bytes", self.fused_chunk_bytes)
-        for name in ("dense_slabs", "first_order", "fused"):
+        for name in ("dense_slabs", "first_order", "host_gating", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("dense_kept", "slab_error", "slab_error_dc"):

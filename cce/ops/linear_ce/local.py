@@ -76,8 +76,8 @@ def block_stats(
             de_block_slots=tuning.de_block_slots, dc_scratch_tiles=tuning.dc_scratch_tiles,
             stash_move_bytes=tuning.stash_move_bytes, dense_slabs=tuning.dense_slabs,
             dense_kept=tuning.dense_kept, slab_error=tuning.slab_error, slab_error_dc=tuning.slab_error_dc,
-            dense_slab_bytes=tuning.dense_slab_bytes, first_order=tuning.first_order, entropy=entropy,
-            argmax=argmax,
+            dense_slab_bytes=tuning.dense_slab_bytes, first_order=tuning.first_order,
+            host_gating=tuning.host_gating, entropy=entropy, argmax=argmax,
         )  # fmt: skip
         out = op(*(args[f] for f in op.args_type._fields))
         loss, lse, tgt, ent, amax = out[0], out[1], out[8], out[9], out[10]

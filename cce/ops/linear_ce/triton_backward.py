@@ -15,6 +15,7 @@ import torch
 
 from ... import _math
 from ...options import DEFAULT_TUNING as _T
+from .host_peek import HostPeek
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
@@ -159,7 +160,8 @@ def sparse_backward(
     move_bytes: int = _T.stash_move_bytes, return_plan: bool = False, dense_slabs: bool = False,
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
     slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
-    first_order: bool = _T.first_order, u=None, delta=None, entropy=None,
+    first_order: bool = _T.first_order, host_gating: bool = _T.host_gating, u=None, delta=None,
+    entropy=None,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan);
     ``u``: an upstream gradient on the target logit (a log-probability output), else None;
@@ -186,6 +188,11 @@ def sparse_backward(
     With ``first_order`` as well (and the error rule on), the device may apply the skipped
     tiles' first-order terms instead of (some) dense slabs, where they cost less
     (kernels/first_order.py, slab_choice.dense_slab_flags).
+
+    With ``host_gating``, the launches (and buffers) of the dense slabs and first-order terms that
+    the device's decision turns off are left out where that decision has reached the host by the
+    time they would be issued (host_peek.py: never a wait); the gradients are the same bit for
+    bit.
 
     With ``delta`` the entropy's term eta p z is part of dZ (cce/_math.py): kept tiles and the
     target entries carry it exactly, a skipped tile j of row i through the coefficient
@@ -233,7 +240,7 @@ def sparse_backward(
     coef = torch.where(valid_s, coef, 0.0)
     keep = keep.bool()
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
-    dense = live = fo = None
+    dense = live = fo = cm = decided = None
     dc_rule = need_dc and slab_error_dc < 1
     # Read by several of the step's parts, made once (host time of a step at small N or on one
     # rank's block, docs/benchmarks.md): each class's sorted position, the mean-row spread of
@@ -242,7 +249,7 @@ def sparse_backward(
     q = mean_row_spread(vscore, nt, BV) if need_dc else None
     masses = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1 or dc_rule):
-        errors = cost = cm = None
+        errors = cost = None
         if slab_error < 1 or dc_rule:
             fo_cost = first_order_cost(N, V, D, tps * BV)
             if first_order and fo_cost < -(-nt // tps):
@@ -262,8 +269,9 @@ def sparse_backward(
             code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc
         )
         del errors
-        if cm is not None:
-            fo = first_order_terms(c, cm, vperm, flag, BV)
+        # The decisions on their way to the host: the launches they gate off are not issued
+        # where they have arrived in time (host_peek.py; the same gradients either way).
+        decided = HostPeek(dense, flag, enabled=host_gating)
         # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
         # and _dc_inputs mask them; the forward's codes are not modified).
         live = (dense == 0).repeat_interleave(tps)[:nt]
@@ -281,10 +289,11 @@ def sparse_backward(
         list_e, cnt_e = compact_lists(keep)
         if smooth:
             wc = weighted_rows(w, c)
+    srow = None
     if need_dc:
-        dc_in = _dc_inputs(
-            e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV, live, fo, eta_s, slog, lse_s,
-            masses,
+        dc_in, srow = _dc_inputs(
+            e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV, live, cm is not None, eta_s,
+            slog, lse_s,
         )  # fmt: skip
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
@@ -297,6 +306,16 @@ def sparse_backward(
     )
     del slot
     n_kept = kflat.sum(dtype=torch.int32).reshape(1)
+    if cm is not None:
+        # (After the host work above, so that the device's flag has had time to reach the host:
+        # where it says 0 the terms' operands and gated launches are left out, as the flag would
+        # make them no-ops.)
+        seen = decided.get()
+        if seen is None or int(seen[1][0]) != 0:
+            fo = first_order_terms(c, cm, vperm, flag, BV)
+            if need_dc:
+                _first_order_dc(fo, e2d, r.erow_s, srow, masses, live, vpos, BV)
+        del srow
     list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
     del dc_in
     plan = KS.SparsePlan(
@@ -310,7 +329,8 @@ def sparse_backward(
     dE, dC = KS.linear_ce_backward_sparse(
         e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
         need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
-        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps, eta=eta_s, dz_bound=dz_bound,
+        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps, eta=eta_s, dz_bound=dz_bound, cm=cm,
+        decided=decided,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan
@@ -320,7 +340,7 @@ def sparse_backward(
 def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
     """The first-order terms' dE operands (kernels/first_order.py): Gbar = (C^T C - sum_j |j|
     mean(C_j) mean(C_j)^T) / V from the gated Gram kernel (zeros where ``flag`` is 0), in the
-    operand dtype with its scale; the dC ones are filled in by _dc_inputs."""
+    operand dtype with its scale; the dC ones are filled in by _first_order_dc."""
     V = c.shape[0]
     cnt = tile_sizes(V, BV, c.device)
     # The tile means' part in fp32 (it can nearly cancel C^T C's where the means dominate),
@@ -330,11 +350,24 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
     return FirstOrder(flag, gn, gs, cm)
 
 
+def _first_order_dc(fo: FirstOrder, e2d, erow_s, srow, masses, live, vpos, BV: int) -> None:
+    """The first-order terms' dC operands into ``fo``: H = sum_i F_i e_i e_i^T (``srow``: F_i per
+    sorted row, from _dc_inputs; the gated Gram kernel), rate = r_j / |j| (from ``masses``,
+    slab_choice.tile_masses, restricted to the ``live`` tiles: those outside dense slabs, None:
+    all) and tile_of (each class's tile; ``vpos``: each class's sorted position)."""
+    V = vpos.numel()
+    cnt = tile_sizes(V, BV, e2d.device)
+    fo.H = gram(e2d, fo.flag, erow_s, srow)
+    mass = masses if live is None else masses * live
+    fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt
+    fo.tile_of = (vpos // BV).to(torch.int32)
+
+
 def _dc_inputs(
-    e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV: int, live=None, fo=None, eta_s=None,
-    slog=None, lse_s=None, masses=None,
+    e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV: int, live=None, want_srow=False,
+    eta_s=None, slog=None, lse_s=None,
 ):  # fmt: skip
-    """The dC writer's inputs: (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge); see
+    """((list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge), srow): the dC writer's inputs, see
     kernels.backward_sparse.SparsePlan. ``valid_s``: the sorted rows below n_valid; ``vpos``: each
     class's sorted position; ``q``: the mean-row spread of the corrections
     (slab_choice.mean_row_spread). With ``eta_s`` a skipped
@@ -344,19 +377,18 @@ def _dc_inputs(
 
     ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
     count. Built in this function so that nothing but the plan holds them (the launcher releases them
-    once dC is written, before dE and the tile means are allocated). With ``fo`` (FirstOrder)
-    also its dC operands H = sum_i F_i e_i e_i^T (F_i = alpha_i S_i, with eta
-    sum_j (a_ij + eta_i) S_ij), rate (from ``masses``, slab_choice.tile_masses, restricted to
-    the live tiles) and tile_of; where its flag is set the dC writer spreads the zeroth-order
-    correction uniformly over the tile instead of by q (the first-order term carries what the
-    mean-row softmax spread would)."""
+    once dC is written, before dE and the tile means are allocated). With ``want_srow`` also
+    srow, fp32 [N]: F_i = alpha_i S_i (with eta sum_j (a_ij + eta_i) S_ij) per sorted row, the
+    first-order terms' row weights (_first_order_dc), else None; where their flag is set the dC
+    writer spreads the zeroth-order correction uniformly over the tile instead of by q (the
+    first-order term carries what the mean-row softmax spread would)."""
     N, nt = code.shape
     V, D = vpos.numel(), e2d.shape[1]
     dev, f32 = e2d.device, torch.float32
     list_c, cnt_c = compact_lists(keep.T.contiguous())
     # G_j = sum_i a_ij S_ij e_i over the rows whose tile j is skipped (a_ij = alpha_i without eta).
-    G = None
-    if fo is not None:
+    G = srow = None
+    if want_srow:
         srow = torch.empty(N, dtype=f32, device=dev)  # F_i: alpha_i S_i, with eta sum_j (a_ij + eta_i) S_ij
     use_bf16 = e2d.dtype == torch.bfloat16 and e2d.is_cuda
     step = _chunk_rows(nt, D, e2d.element_size())
@@ -377,17 +409,11 @@ def _dc_inputs(
         else:
             part = S.T @ E_c.float()
         G = part if G is None else G.add_(part)
-        if fo is not None:
+        if srow is not None:
             srow[s:t] = S.sum(1) if eta_s is None else S.sum(1) + eta_s[s:t] * M.sum(1)
     if G is None:  # (no rows)
         G = torch.zeros(nt, D, dtype=f32, device=dev)
     q = q.reshape(-1)[:V]  # (the dC writer spreads uniformly instead where fo's flag is set)
-    if fo is not None:
-        cnt = tile_sizes(V, BV, dev)
-        fo.H = gram(e2d, fo.flag, r.erow_s, srow)
-        mass = masses if live is None else masses * live
-        fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt
-        fo.tile_of = (vpos // BV).to(torch.int32)
     tp = vpos.index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)
@@ -396,4 +422,4 @@ def _dc_inputs(
     tcoef = coef.index_select(0, order)
     seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
     ge = None if gamma is None else weighted_rows(gamma, e2d, r.erow)
-    return list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge
+    return (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge), srow

@@ -58,6 +58,7 @@ class FwdArgs(NamedTuple):
     slab_error_dc: float
     dense_slab_bytes: int
     first_order: bool
+    host_gating: bool
     temperature: float  # the logits are softcap(x) / temperature (not with stats)
     entropy: bool  # the entropy output
     argmax: bool  # the argmax output
@@ -246,6 +247,7 @@ class SparseBwdArgs(NamedTuple):
     slab_error_dc: float
     dense_slab_bytes: int
     first_order: bool
+    host_gating: bool
     u: torch.Tensor | None  # [N] upstream gradient of the target logit output
     delta: torch.Tensor | None  # [N] upstream gradient of the entropy output
     entropy: torch.Tensor | None  # [N] fp32 the entropy's forward values (with delta)
@@ -269,8 +271,8 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
-        dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, u=a.u, delta=a.delta,
-        entropy=a.entropy,
+        dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, host_gating=a.host_gating, u=a.u,
+        delta=a.delta, entropy=a.entropy,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -325,7 +327,7 @@ def _backward(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
-            a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, g_tgt, g_ent,
+            a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, a.host_gating, g_tgt, g_ent,
             ent if g_ent is not None else None,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
@@ -544,6 +546,6 @@ def linear_ce_triton(
         filter_eps, stats, stats and need_de, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
         tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc, tuning.dense_slab_bytes,
-        tuning.first_order, float(temperature), entropy, argmax,
+        tuning.first_order, tuning.host_gating, float(temperature), entropy, argmax,
     )  # fmt: skip
     return out[0], out[1], out[8], out[9] if entropy else None, out[10] if argmax else None

@@ -49,7 +49,7 @@ def _fwd(e, c, bias, t, eps, tuning: Tuning, **kw):
         opts["z_loss"], eps, True, False, tuning.stats_chain_tiles, tuning.dz_slab_bytes,
         tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes, tuning.dense_slabs,
         tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc, tuning.dense_slab_bytes,
-        tuning.first_order, 1.0, False, False,
+        tuning.first_order, tuning.host_gating, 1.0, False, False,
     )  # fmt: skip
 
 

@@ -51,7 +51,7 @@ def _fwd(e, c, bias, rows, t, red, softcap, ls, zl, eps, stash=False):
         e, c, bias, None, rows, t, -100, red, softcap, ls, zl, eps, True, stash, _T.stats_chain_tiles,
         _T.dz_slab_bytes, _T.de_block_slots, _T.dc_scratch_tiles, _T.stash_move_bytes, _T.dense_slabs,
         _T.dense_kept, _T.slab_error, _T.slab_error_dc, _T.dense_slab_bytes, _T.first_order,
-        1.0, False, False,
+        _T.host_gating, 1.0, False, False,
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ docs/design.md states the error bound.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -36,6 +37,9 @@ from .dense_slabs import run_dense_slabs
 from .first_order import FirstOrder, add_dc_first_order
 from .stash import de_rounds, shares_memory, stash_layout, to_e_rows
 from .tile_stats import STATS_STEPS, tile_means
+
+if TYPE_CHECKING:
+    from ..host_peek import HostPeek
 
 
 @triton.jit
@@ -492,6 +496,8 @@ def linear_ce_backward_sparse(
     tiles_per_slab: int = 1,
     eta: torch.Tensor | None = None,
     dz_bound: torch.Tensor | None = None,
+    cm: torch.Tensor | None = None,
+    decided: HostPeek | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
     codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
@@ -519,7 +525,10 @@ def linear_ce_backward_sparse(
     that the plan leaves out (keep 0, code 255), done by dense_slabs.run_dense_slabs after the
     sparse dC writer: their dC rows directly, their dE part through an fp32 [N, D] accumulator
     the dE writer adds (the one O(N D) buffer besides the gradients, allocated only with
-    ``dense``).
+    ``dense``). ``decided`` (host_peek.HostPeek of ``dense`` and plan.fo's flag, or None): where
+    those have reached the host, only the dense slabs' launches are issued (none, and no
+    accumulator, where no slab is dense), and the first-order terms' only where their flag is
+    set. ``cm``: the tile means in fp32 where the caller has them (else made here).
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma, eta)
     N = erow.numel()
@@ -596,6 +605,15 @@ def linear_ce_backward_sparse(
                 )  # fmt: skip
         del scratch, scalebuf
     de_acc = None
+    # The device's decisions, where they have reached the host (else None: every gated launch).
+    seen = None if decided is None else decided.get()
+    fo = plan.fo
+    if fo is not None and seen is not None and int(seen[1][0]) == 0:
+        fo = None  # the first-order terms are off: their gated launches would be no-ops
+    if dense is not None:
+        slabs = None if seen is None else [s for s, d in enumerate(seen[0].tolist()) if d]
+        if slabs == []:
+            dense = None  # no slab is dense: the dE writer neither masks nor adds the slabs' part
     if dense is not None:
         # After the sparse dC writer (independent of it: it masks the dense slabs' tiles), so that
         # the slabs' gated launches are issued while the GPU runs it.
@@ -604,20 +622,21 @@ def linear_ce_backward_sparse(
         run_dense_slabs(
             e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
             (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
-            plan.ge if smooth else None, eta=eta, dz_bound=dz_bound,
+            plan.ge if smooth else None, eta=eta, dz_bound=dz_bound, slabs=slabs,
         )  # fmt: skip
-    fo = plan.fo
     if need_dc and fo is not None:
         add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)
     if release:
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
         plan.gidx = plan.klist = None
-        if fo is not None:
-            fo.H = fo.rate = fo.tile_of = None
+        if plan.fo is not None:
+            plan.fo.H = plan.fo.rate = plan.fo.tile_of = None
     if need_de:
         if N > 0:
             # The tile means of C, all of D: [n_tiles, D], O(V D / BLOCK_V), alive through the pass.
-            cm = tile_means(c, perm, BV, e2d.dtype) if fo is None else fo.cm.to(e2d.dtype)
+            if plan.fo is not None:
+                cm = plan.fo.cm
+            cm = tile_means(c, perm, BV, e2d.dtype) if cm is None else cm.to(e2d.dtype)
             for a, b, last in de_rounds(N, D, BN, protect):
                 code, row0, sl, sl_scale, sl_blk0 = plan.code, 0, slots, slot_scale, 0
                 if last:  # copies of what the rows [a, N) read in the region they write

@@ -357,6 +357,7 @@ def run_dense_slabs(
     ge: torch.Tensor | None = None,
     eta: torch.Tensor | None = None,
     dz_bound: torch.Tensor | None = None,
+    slabs: list[int] | None = None,
 ) -> None:
     """The dense slabs' part of the gradients (module docstring): dE of the sorted rows added to
     ``de_acc`` (fp32 [N, D]), dC's rows of the dense slabs' classes written into ``dC``. ``dense``
@@ -366,7 +367,8 @@ def run_dense_slabs(
     dense slabs' classes are added here, and with ``ge`` (smoothing: sum_i gamma_i e_i) the
     smoothing term -w_v ge (``weight``: class weights, None for 1). ``eta``: the entropy's
     coefficient per sorted row (or None), ``dz_bound``: per row a bound of max |dZ| / softcap' for
-    fp16's scale (None: |alpha|)."""
+    fp16's scale (None: |alpha|). ``slabs``: the dense slabs where the host knows them (their
+    launches only; they still read ``dense``), None: every slab's launches."""
     N = erow.numel()
     V, D = c.shape
     if N == 0 or V == 0 or (de_acc is None and dC is None):
@@ -410,6 +412,8 @@ def run_dense_slabs(
     GK = 64  # classes per program of the gather
     with device_context(dev):
         for s, t0 in enumerate(range(0, n_vtiles, tiles_per_slab)):
+            if slabs is not None and s not in slabs:
+                continue
             nt = min(tiles_per_slab, n_vtiles - t0)
             v0 = t0 * BV
             width = min(V, (t0 + nt) * BV) - v0

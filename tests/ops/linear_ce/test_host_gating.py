@@ -1,0 +1,177 @@
+"""Tuning.host_gating: the sparse backward leaves out the launches its device decisions turn off
+once those decisions have reached the host (cce/ops/linear_ce/host_peek.py). Under the
+interpreter the decisions are host tensors, so the gated-off launches are always left out here;
+host_gating=False issues every one of them. The gradients must be the same bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cce.ops.linear_ce.kernels.backward_sparse as KS
+import cce.ops.linear_ce.triton_backward as TB
+from bench.data import zipf_inputs
+from cce import CCEOptions, Tuning, linear_cross_entropy_with_options
+from cce.ops.linear_ce.host_peek import HostPeek
+from tests.helpers import near_uniform_inputs
+
+
+def _grads(e, c, t, tuning, *, eps, seed, bias=None, **opts):
+    ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
+    o = CCEOptions(impl="triton", filter_eps=eps, tuning=tuning, **opts)
+    loss = linear_cross_entropy_with_options(ee, cc, t, bias, None, o)
+    up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed))
+    (loss * up).sum().backward()
+    return loss.detach(), ee.grad, cc.grad
+
+
+@pytest.fixture
+def slab_calls(monkeypatch):
+    """The ``slabs`` argument of every run_dense_slabs call (None: all of them, gated), with the
+    device's dense flags it was given, and the calls of add_dc_first_order / first_order_terms."""
+    seen = {"slabs": [], "calls": [], "dc_fo": 0, "fo_terms": 0}
+    run, add, terms = KS.run_dense_slabs, KS.add_dc_first_order, TB.first_order_terms
+
+    def spy_run(*a, **k):
+        seen["slabs"].append(k.get("slabs"))
+        seen["calls"].append((k.get("slabs"), a[9].clone()))  # (slabs, the device's dense flags)
+        return run(*a, **k)
+
+    def spy_add(*a, **k):
+        seen["dc_fo"] += 1
+        return add(*a, **k)
+
+    def spy_terms(*a, **k):
+        seen["fo_terms"] += 1
+        return terms(*a, **k)
+
+    monkeypatch.setattr(KS, "run_dense_slabs", spy_run)
+    monkeypatch.setattr(KS, "add_dc_first_order", spy_add)
+    monkeypatch.setattr(TB, "first_order_terms", spy_terms)
+    return seen
+
+
+CASES = {
+    # no slab dense (the rule's targets met), the first-order operands built and their flag 0
+    "none": dict(kind="zipf", rule=dict(dense_kept=2.0, slab_error=0.5, slab_error_dc=0.5)),
+    # the head of the sorted vocabulary dense by the kept share
+    "front": dict(kind="zipf", rule=dict(dense_kept=0.5)),
+    # near-uniform softmaxes: slabs here and there dense by the error rule
+    "scattered": dict(kind="uniform", rule=dict(slab_error=0.03, slab_error_dc=0.03, first_order=False)),
+    # the same with the first-order terms a choice of the rule
+    "first-order": dict(kind="uniform", rule=dict(slab_error=0.03, slab_error_dc=0.03)),
+    # every slab dense
+    "all": dict(kind="zipf", rule=dict(dense_kept=0.0)),
+}
+
+
+def _inputs(kind):
+    if kind == "zipf":
+        return zipf_inputs(96, 32, 1500, dtype=torch.float32, seed=3), 2e-3
+    return near_uniform_inputs(64, 32, 1200, std=0.3, seed=2), 2e-2
+
+
+@pytest.mark.parametrize(
+    "name,need",
+    [(n, "both") for n in sorted(CASES)] + [("scattered", "de"), ("scattered", "dc"), ("first-order", "dc")],
+)
+def test_same_gradients_bit_for_bit(name, need, slab_calls):
+    """host_gating on and off: the same loss, dE and dC to the bit (ignored rows, a partial last
+    token block and slab), whether the device made no slab dense, some or all; with host_gating
+    the launches issued are the dense slabs' alone, as the device chose them."""
+    case = CASES[name]
+    (e, c, t), eps = _inputs(case["kind"])
+    outs = {}
+    for gate in (False, True):
+        tu = Tuning(
+            backward="sparse", dense_slabs=True, dense_slab_bytes=e.shape[0] * 4 * 64, host_gating=gate,
+            **case["rule"],
+        )  # fmt: skip
+        ee, cc = e.clone().requires_grad_(need != "dc"), c.clone().requires_grad_(need != "de")
+        o = CCEOptions(impl="triton", filter_eps=eps, tuning=tu)
+        loss = linear_cross_entropy_with_options(ee, cc, t, None, None, o)
+        up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1))
+        (loss * up).sum().backward()
+        outs[gate] = (loss.detach(), ee.grad, cc.grad)
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b)
+    calls = slab_calls["calls"]
+    assert calls[0][0] is None  # host_gating=False: every slab's launches, gated
+    for slabs, dense in calls[1:]:
+        assert slabs == [s for s, d in enumerate(dense.tolist()) if d] and slabs
+    if name == "none":
+        assert len(calls) == 1
+
+
+def test_gating_leaves_out_what_the_device_turned_off(slab_calls):
+    """Error targets the corrections already meet and no kept-share rule: the device makes no
+    slab dense and leaves the first-order terms off (as on zipf-like data at scale). With
+    host_gating nothing of either is launched; without it every gated launch is, and the
+    first-order operands are built (they could pay at this size)."""
+    e, c, t = zipf_inputs(96, 32, 1500, dtype=torch.float32, seed=3)
+    tu = dict(
+        backward="sparse", dense_slabs=True, dense_slab_bytes=96 * 4 * 64, dense_kept=2.0, slab_error=0.5,
+        slab_error_dc=0.5,
+    )  # fmt: skip
+    a = _grads(e, c, t, Tuning(**tu, host_gating=False), eps=2e-3, seed=1)
+    calls_off = dict(slab_calls, slabs=list(slab_calls["slabs"]))
+    slab_calls["slabs"].clear()
+    slab_calls["dc_fo"] = slab_calls["fo_terms"] = 0
+    b = _grads(e, c, t, Tuning(**tu, host_gating=True), eps=2e-3, seed=1)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert calls_off["slabs"] == [None]
+    assert calls_off["fo_terms"] == 1 and calls_off["dc_fo"] == 1
+    assert slab_calls["slabs"] == [] and slab_calls["dc_fo"] == 0 and slab_calls["fo_terms"] == 0
+
+
+def test_peek_off_cuda_and_disabled():
+    x, y = torch.tensor([0, 1, 0], dtype=torch.int8), torch.tensor([3], dtype=torch.int32)
+    got = HostPeek(x, y).get()
+    assert got is not None and torch.equal(got[0], x) and torch.equal(got[1], y)
+    assert HostPeek(x, y, enabled=False).get() is None
+    assert HostPeek().get() is None
+
+
+@pytest.mark.gpu
+def test_peek_on_cuda_never_waits_and_not_under_capture():
+    """The copy is read only once its event has completed (after a synchronisation it must have);
+    it is never made under CUDA-graph capture."""
+    dev = torch.device("cuda")
+    x = torch.randint(0, 2, (16,), dtype=torch.int8, device=dev)
+    torch.cuda._sleep(int(50e6))  # the device busy: the copy cannot have arrived yet
+    p = HostPeek(x)
+    assert p.get() is None
+    torch.cuda.synchronize()
+    got = p.get()
+    assert got is not None and torch.equal(got[0], x.cpu())
+    s = torch.cuda.Stream()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        q = HostPeek(x)
+        y = x + 1
+    assert q.get() is None
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("regime", ["zipf", "random"])
+def test_same_gradients_bit_for_bit_bf16(regime):
+    """On the GPU, bf16, a size where the rule's decisions differ by regime: host_gating on and
+    off give the same gradients to the bit, whichever path each call took."""
+    from bench.data import make_inputs
+
+    dev = torch.device("cuda")
+    e, c, t = make_inputs(4096, 1024, 32768, regime, dtype=torch.bfloat16, device=dev, seed=0)
+    outs = []
+    for gate in (False, True, True):
+        tu = Tuning(backward="sparse", host_gating=gate)
+        outs.append(_grads(e, c, t, tu, eps=2.0**-8, seed=1))
+        torch.cuda.synchronize()
+    for o in outs[1:]:
+        for x, y in zip(outs[0], o, strict=True):
+            assert torch.equal(x, y)
