@@ -9,7 +9,9 @@ well within the launch queue), so no call waits for the device unless it synchro
 counts (top-level aten ops outside launches from torch.profiler, Triton launches from
 ``sys.setprofile``) are a device-free proxy: under TRITON_INTERPRET=1 they show on a CPU how a
 change moves the host's work (on an H100 host an aten op took ~13 us to issue, a Triton launch
-~20-60 us; docs/benchmarks.md, session 9).
+~20-60 us; docs/benchmarks.md, session 9). With the device asleep the sparse backward's
+decisions never reach the host in time, so host_ms always times the path that issues every gated
+launch (Tuning.host_gating, cce/ops/linear_ce/host_peek.py): the most a step issues.
 
     python -m bench.host --shape 8192x2048x128256 --data zipf --providers cce,cce-exact
 """

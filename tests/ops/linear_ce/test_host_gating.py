@@ -16,11 +16,13 @@ from cce.ops.linear_ce.host_peek import HostPeek
 from tests.helpers import near_uniform_inputs
 
 
-def _grads(e, c, t, tuning, *, eps, seed, bias=None, **opts):
-    ee, cc = e.clone().requires_grad_(), c.clone().requires_grad_()
-    o = CCEOptions(impl="triton", filter_eps=eps, tuning=tuning, **opts)
-    loss = linear_cross_entropy_with_options(ee, cc, t, bias, None, o)
-    up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed))
+def _run(e, c, t, tuning, eps: float, need: str = "both"):
+    """(loss, dE, dC) of impl="triton" under a random upstream gradient; ``need``: which
+    gradients autograd asks for ("both", "de", "dc"; None for the other)."""
+    ee, cc = e.clone().requires_grad_(need != "dc"), c.clone().requires_grad_(need != "de")
+    o = CCEOptions(impl="triton", filter_eps=eps, tuning=tuning)
+    loss = linear_cross_entropy_with_options(ee, cc, t, None, None, o)
+    up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1))
     (loss * up).sum().backward()
     return loss.detach(), ee.grad, cc.grad
 
@@ -87,12 +89,7 @@ def test_same_gradients_bit_for_bit(name, need, slab_calls):
             backward="sparse", dense_slabs=True, dense_slab_bytes=e.shape[0] * 4 * 64, host_gating=gate,
             **case["rule"],
         )  # fmt: skip
-        ee, cc = e.clone().requires_grad_(need != "dc"), c.clone().requires_grad_(need != "de")
-        o = CCEOptions(impl="triton", filter_eps=eps, tuning=tu)
-        loss = linear_cross_entropy_with_options(ee, cc, t, None, None, o)
-        up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1))
-        (loss * up).sum().backward()
-        outs[gate] = (loss.detach(), ee.grad, cc.grad)
+        outs[gate] = _run(e, c, t, tu, eps, need)
     for a, b in zip(outs[False], outs[True], strict=True):
         assert (a is None) == (b is None)
         if a is not None:
@@ -115,11 +112,11 @@ def test_gating_leaves_out_what_the_device_turned_off(slab_calls):
         backward="sparse", dense_slabs=True, dense_slab_bytes=96 * 4 * 64, dense_kept=2.0, slab_error=0.5,
         slab_error_dc=0.5,
     )  # fmt: skip
-    a = _grads(e, c, t, Tuning(**tu, host_gating=False), eps=2e-3, seed=1)
+    a = _run(e, c, t, Tuning(**tu, host_gating=False), 2e-3)
     calls_off = dict(slab_calls, slabs=list(slab_calls["slabs"]))
     slab_calls["slabs"].clear()
     slab_calls["dc_fo"] = slab_calls["fo_terms"] = 0
-    b = _grads(e, c, t, Tuning(**tu, host_gating=True), eps=2e-3, seed=1)
+    b = _run(e, c, t, Tuning(**tu, host_gating=True), 2e-3)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
     assert calls_off["slabs"] == [None]
@@ -170,7 +167,7 @@ def test_same_gradients_bit_for_bit_bf16(regime):
     outs = []
     for gate in (False, True, True):
         tu = Tuning(backward="sparse", host_gating=gate)
-        outs.append(_grads(e, c, t, tu, eps=2.0**-8, seed=1))
+        outs.append(_run(e, c, t, tu, 2.0**-8))
         torch.cuda.synchronize()
     for o in outs[1:]:
         for x, y in zip(outs[0], o, strict=True):
