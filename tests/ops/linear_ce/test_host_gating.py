@@ -16,12 +16,14 @@ from cce.ops.linear_ce.host_peek import HostPeek
 from tests.helpers import near_uniform_inputs
 
 
-def _run(e, c, t, tuning, eps: float, need: str = "both"):
+def _run(e, c, t, tuning, eps: float, need: str = "both", bias=None, entropy: float = 0.0, **opts):
     """(loss, dE, dC) of impl="triton" under a random upstream gradient; ``need``: which
-    gradients autograd asks for ("both", "de", "dc"; None for the other)."""
+    gradients autograd asks for ("both", "de", "dc"; None for the other); ``entropy``: the
+    objective is loss - entropy * mean(entropy output) where nonzero."""
     ee, cc = e.clone().requires_grad_(need != "dc"), c.clone().requires_grad_(need != "de")
-    o = CCEOptions(impl="triton", filter_eps=eps, tuning=tuning)
-    loss = linear_cross_entropy_with_options(ee, cc, t, None, None, o)
+    o = CCEOptions(impl="triton", filter_eps=eps, tuning=tuning, return_entropy=entropy != 0, **opts)
+    out = linear_cross_entropy_with_options(ee, cc, t, bias, None, o)
+    loss = out.loss - entropy * out.entropy.mean() if entropy else out
     up = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1))
     (loss * up).sum().backward()
     return loss.detach(), ee.grad, cc.grad
@@ -100,6 +102,36 @@ def test_same_gradients_bit_for_bit(name, need, slab_calls):
         assert slabs == [s for s, d in enumerate(dense.tolist()) if d] and slabs
     if name == "none":
         assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(bias=True, label_smoothing=0.1, z_loss=1e-3),
+        dict(softcap=5.0),
+        dict(entropy=0.5),
+    ],
+    ids=["bias-smoothing-zloss", "softcap", "entropy"],
+)
+def test_same_gradients_bit_for_bit_with_options(opts, slab_calls):
+    """The same with the options whose terms the dense slabs and the dE writer carry: a (frozen)
+    bias, label smoothing and z-loss; softcap; a gradient through the entropy output."""
+    e, c, t = near_uniform_inputs(64, 32, 1200, std=0.3, seed=4)
+    kw = dict(opts)
+    if kw.pop("bias", False):
+        kw["bias"] = torch.randn(1200, generator=torch.Generator().manual_seed(2)) * 0.3
+    outs = []
+    for gate in (False, True):
+        tu = Tuning(
+            backward="sparse", dense_slabs=True, dense_slab_bytes=64 * 4 * 64, slab_error=0.03,
+            slab_error_dc=0.03, host_gating=gate,
+        )  # fmt: skip
+        outs.append(_run(e, c, t, tu, 2e-2, **kw))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    (off, flags), *on = slab_calls["calls"]
+    want = [s for s, d in enumerate(flags.tolist()) if d]  # the device's choice (the same in both runs)
+    assert off is None and [slabs for slabs, _ in on] == ([want] if want else [])
 
 
 def test_gating_leaves_out_what_the_device_turned_off(slab_calls):
