@@ -56,7 +56,8 @@ def slab_calls(monkeypatch):
 
 
 CASES = {
-    # no slab dense (the rule's targets met), the first-order operands built and their flag 0
+    # no slab dense (the rule's targets met) and the first-order flag 0 (their operands built
+    # without host gating)
     "none": dict(kind="zipf", rule=dict(dense_kept=2.0, slab_error=0.5, slab_error_dc=0.5)),
     # the head of the sorted vocabulary dense by the kept share
     "front": dict(kind="zipf", rule=dict(dense_kept=0.5)),
