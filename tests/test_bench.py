@@ -430,3 +430,29 @@ def test_host_counts_and_time(tmp_path):
                  "--json", str(out)]) == 0  # fmt: skip
     row = json.loads(out.read_text())["rows"][0]
     assert row["provider"] == "cce-exact" and row["host_ms"] > 0 and row["aten_ops"] > 0  # impl="torch" here
+
+
+def test_host_parts_times_cce_functions_and_launches_then_restores():
+    """bench.host_parts: per-function host time of a rank's half step (CPU: interpreter), launches
+    counted at the outermost launch only, and every wrapped function restored afterwards."""
+    import cce.ops.linear_ce.kernels.forward as fwd
+    from bench.host_parts import _step, measure, timed_parts
+    from cce.ops.linear_ce.rows import RowOrder
+
+    before = (fwd.linear_ce_forward, RowOrder.__init__)
+    step = _step("64x32x600", "zipf", "half", torch.device("cpu"))
+    res = measure(step, steps=2, device=torch.device("cpu"), warmup=1)
+    parts = res["parts"]
+    assert parts["kernels.forward.linear_ce_forward"]["calls"] == 1  # once per step, outermost only
+    assert parts["RowOrder.__init__"]["calls"] >= 1
+    launches = parts["launch:ALL"]
+    assert launches["calls"] >= 1
+    assert launches["calls"] == sum(
+        p["calls"] for k, p in parts.items() if k.startswith("launch:") and k != "launch:ALL"
+    )
+    step_ms = res["host_ms"]["max"]
+    assert all(0 <= p["ms"] <= step_ms for p in parts.values())
+    assert (fwd.linear_ce_forward, RowOrder.__init__) == before
+    with timed_parts():
+        assert fwd.linear_ce_forward is not before[0]
+    assert fwd.linear_ce_forward is before[0]
