@@ -8,7 +8,8 @@ Triton's launch entry (``JITFunction.run``; ``InterpretedFunction.run`` under TR
 are wrapped with timers for the duration of the measurement, then restored. A function's time is
 inclusive (its callees' time counts in it too) and taken at its outermost call only, so recursion
 and nesting are not counted twice; a launch is counted only where no other launch encloses it.
-Each timer adds about a microsecond per call.
+On an H100 host the timers added 0.09-0.12 ms to a half step's 12.5-12.8 ms of host time
+(docs/benchmarks.md, issue 16, session 23).
 
 The steps are issued back to back, as ``triton.testing.do_bench`` issues them. So the device's
 decisions (host gating, cce/ops/linear_ce/host_peek.py) arrive as they do in the benchmark:
