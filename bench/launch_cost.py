@@ -3,7 +3,8 @@
 Empty kernels launched back to back (each does nothing on the device, so the launch queue never
 fills and the time is the host's), beside a torch op, a device allocation and the device context
 cce's launchers enter. Median over 5 rounds of ``--n`` calls, microseconds per call. cce's
-kernels take 30-45 runtime arguments; docs/benchmarks.md (issue 16, session 23) compares.
+kernels take 3-41 runtime arguments, the most-launched heavy ones 30-41; docs/benchmarks.md
+(issue 16, session 23) compares.
 """
 
 from __future__ import annotations
