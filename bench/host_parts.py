@@ -19,7 +19,13 @@ step's do_bench median and its unwrapped host time per step are printed first.
     python -m bench.host_parts --shape llama3-8b --data zipf --which half --steps 40
 
 ``--which half``: one rank's step on the first half of the head under a real rank's upstream
-gradients (bench.vp_emulate.rank_step); ``one``: the same function on the whole head.
+gradients (bench.vp_emulate.rank_step); ``one``: the same function on the whole head; ``vp``: the
+vocabulary-parallel call itself (``linear_cross_entropy_vocab_parallel``, mean loss, gradients
+of e and the rank's block), in a group of one rank, or under torchrun in the launched group
+(NCCL on CUDA, each rank its own GPU), each rank printing its own parts: what a real rank's step
+adds to the emulated half (the statistics' combine, the collectives, the call's own host work)::
+
+    torchrun --nproc_per_node 2 -m bench.host_parts --shape llama3-8b --data zipf --which vp
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import collections
 import functools
 import importlib
 import json
+import os
 import pkgutil
 import statistics
 import sys
@@ -40,9 +47,10 @@ from contextlib import contextmanager
 import torch
 
 import cce
+from cce.distributed import linear_cross_entropy_vocab_parallel
 
 from .data import SHAPES, make_inputs
-from .vp_emulate import rank_step, rest_lse
+from .vp_emulate import one_rank_group, rank_step, rest_lse, shares
 
 _CLASS_METHODS = {"RowOrder": ("__init__",), "HostPeek": ("__init__", "get")}
 
@@ -140,10 +148,45 @@ def timed_parts() -> Iterator[Parts]:
             setattr(owner, key, val)
 
 
+def _group(device: torch.device):
+    """(group, device): the torchrun group (initialised here; each rank on the GPU of its
+    LOCAL_RANK) where RANK is set, else a group of one rank (bench.vp_emulate.one_rank_group)."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        return one_rank_group(device), device
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return dist.group.WORLD, device
+
+
+def _vp_step(e, c, t, device: torch.device):
+    import torch.distributed as dist
+
+    group, device = _group(device)
+    start, size = shares(c.shape[0], dist.get_world_size(group))[dist.get_rank(group)]
+    e = e.to(device).detach().requires_grad_()
+    cb = c[start : start + size].to(device).detach().clone().requires_grad_()
+    t = t.to(device)
+
+    def step():
+        loss = linear_cross_entropy_vocab_parallel(e, cb, t, process_group=group)
+        return torch.autograd.grad(loss, (e, cb))
+
+    return step
+
+
 def _step(shape: str, regime: str, which: str, device: torch.device):
     N, D, V = SHAPES[shape] if shape in SHAPES else (int(x) for x in shape.lower().split("x"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     e, c, t = make_inputs(N, D, V, regime, dtype=dtype, device=device, seed=0)
+    if which == "vp":
+        return _vp_step(e, c, t, device)
     size = V // 2 if which == "half" else V
     cb = c[:size].detach().clone().requires_grad_()
     e = e.detach().requires_grad_()
@@ -154,24 +197,31 @@ def _step(shape: str, regime: str, which: str, device: torch.device):
     return rank_step(e, cb, t, 0, size, lse_rest, -100)
 
 
-def measure(step: Callable[[], object], steps: int, device: torch.device, warmup: int = 3) -> dict:
+def measure(
+    step: Callable[[], object], steps: int, device: torch.device, warmup: int = 3, bench: bool = True
+) -> dict:
     """Per step: the host ms of each part (inclusive) and its calls, the wrapped steps' host ms
-    (median, min, max); on CUDA also do_bench's median and the unwrapped host ms (median).
-    ``warmup`` steps run before each of the two measurements."""
+    (median, min, max); on CUDA also the unwrapped host ms (median) and the step's device-bound
+    time: do_bench's median, or with ``bench=False`` (ranks of a group, which must all run the
+    same number of steps: do_bench's count depends on timing) the unwrapped loop's wall time per
+    step up to a synchronisation. ``warmup`` steps run before each of the two measurements."""
     out: dict = {}
     for _ in range(warmup):
         step()
     if device.type == "cuda":
-        from triton.testing import do_bench
-
         torch.cuda.synchronize(device)
-        out["do_bench_ms"] = float(do_bench(step, warmup=25, rep=200, return_mode="median"))
+        if bench:
+            from triton.testing import do_bench
+
+            out["do_bench_ms"] = float(do_bench(step, warmup=25, rep=200, return_mode="median"))
         walls = []
+        t_loop = time.perf_counter()
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
             walls.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize(device)
+        out["loop_ms"] = (time.perf_counter() - t_loop) * 1e3 / steps
         out["host_ms_unwrapped"] = statistics.median(walls)
     with timed_parts() as parts:
         for _ in range(warmup):
@@ -198,29 +248,38 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.host_parts", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b", help="a bench.data shape name or NxDxV")
     ap.add_argument("--data", default="zipf", help="a data regime (bench.data)")
-    ap.add_argument("--which", choices=("half", "one"), default="half")
+    ap.add_argument("--which", choices=("half", "one", "vp"), default="half")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=45, help="parts printed")
     ap.add_argument("--json", help="write the result to this file")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    res = measure(_step(args.shape, args.data, args.which, device), args.steps, device)
-    res.update(shape=args.shape, regime=args.data, which=args.which, steps=args.steps)
-    if "do_bench_ms" in res:
+    tag, world = "", 1
+    if args.which == "vp":
+        import torch.distributed as dist
+
+        group, device = _group(device)  # (before the inputs: each rank's on its own GPU)
+        world = dist.get_world_size(group)
+        tag = f"rank {dist.get_rank(group)}/{world} "
+    res = measure(_step(args.shape, args.data, args.which, device), args.steps, device, bench=world == 1)
+    res.update(shape=args.shape, regime=args.data, which=args.which, steps=args.steps, world=world)
+    if "loop_ms" in res:
         print(
-            f"do_bench {res['do_bench_ms']:.2f} ms; "
+            f"{tag}do_bench {res.get('do_bench_ms', float('nan')):.2f} ms, "
+            f"loop {res['loop_ms']:.2f} ms per step; "
             f"unwrapped host ms per step median {res['host_ms_unwrapped']:.2f}"
         )
     h = res["host_ms"]
     n_launch = res["parts"].get("launch:ALL", {}).get("calls", 0.0)
     print(
-        f"{args.shape} {args.data} {args.which}: host ms per step median {h['median']:.2f} "
+        f"{tag}{args.shape} {args.data} {args.which}: host ms per step median {h['median']:.2f} "
         f"(min {h['min']:.2f}, max {h['max']:.2f}); launches/step {n_launch:.1f}"
     )
     for name, p in list(res["parts"].items())[: args.top]:
-        print(f"{p['ms']:8.3f} ms {p['calls']:6.1f}x  {name}")
+        print(f"{tag}{p['ms']:8.3f} ms {p['calls']:6.1f}x  {name}")
     if args.json:
-        with open(args.json, "w") as f:
+        path = args.json if world == 1 else f"{args.json}.rank{tag.split()[1].split('/')[0]}"
+        with open(path, "w") as f:
             json.dump(res, f, indent=1)
     return 0
 

@@ -456,3 +456,33 @@ def test_host_parts_times_cce_functions_and_launches_then_restores():
     with timed_parts():
         assert fwd.linear_ce_forward is not before[0]
     assert fwd.linear_ce_forward is before[0]
+
+
+def test_host_parts_vp_step_in_a_group_of_one():
+    """bench.host_parts --which vp: the vocabulary-parallel call in a group of one rank (gloo, CPU),
+    its parts timed; its gradients are the single-device call's (same kernels on the same tiles)."""
+    import torch.distributed as dist
+
+    import cce
+    from bench.host_parts import _step, measure
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    cpu = torch.device("cpu")
+    try:
+        step = _step("64x32x600", "zipf", "vp", cpu)
+        res = measure(step, steps=1, device=cpu, warmup=1, bench=False)
+        dE, dC = step()
+    finally:
+        dist.destroy_process_group()
+    assert (
+        res["parts"]["cce.distributed.vocab_parallel._stats_loss"]["calls"] == 1
+    )  # (impl "auto": torch on CPU)
+    e, c, t = data.make_inputs(64, 32, 600, "zipf", dtype=torch.float16, device=cpu, seed=0)
+    e, c = e.requires_grad_(), c.requires_grad_()
+    want = torch.autograd.grad(cce.linear_cross_entropy(e, c, t), (e, c))
+    # fp16 gradients from fp32 sums that differ only in summation order (statistics combined over
+    # the group, dE summed over its one rank): each entry at most one fp16 ulp apart, <= 2^-10
+    # of its magnitude.
+    for got, ref in zip((dE, dC), want, strict=True):
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) <= 2.0**-10
