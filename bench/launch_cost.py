@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cce.ops.launch import cached_launch
+
 
 @triton.jit
 def _one_arg(X, BLOCK: tl.constexpr):
@@ -43,6 +45,11 @@ def _thirty_four_args(
     W: tl.constexpr, S: tl.constexpr,
 ):  # fmt: skip
     pass
+
+
+# The same kernels through cce's launch cache (cce/ops/launch.py).
+_twelve_args_heuristic_cached = cached_launch(_twelve_args_heuristic)
+_thirty_four_args_cached = cached_launch(_thirty_four_args)
 
 
 def per_call_us(f: Callable[[], object], n: int, device: torch.device) -> float:
@@ -95,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         "34 runtime args (16 tensors, 16 ints, 2 floats) + 6 constexpr": lambda: _thirty_four_args[(1,)](
             **big
         ),
+        "12 args through triton.heuristics, cce's cached launch": lambda: _twelve_args_heuristic_cached[(1,)](
+            **six, **ints, BLOCK=64
+        ),
+        "34 args, cce's cached launch": lambda: _thirty_four_args_cached[(1,)](**big),
     }
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name(dev))
     for name, f in cases.items():

@@ -7,6 +7,7 @@ The implementations themselves live in cce/ops/<op>/ and cce/distributed/.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any
@@ -73,7 +74,20 @@ def num_sms(device: torch.device) -> int:
     so that small test problems exercise the splitting of work over programs)."""
     if device.type != "cuda":
         return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_properties(torch.cuda.current_device() if device.index is None else device.index)[0]
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability (major, minor)."""
+    return _cuda_properties(torch.cuda.current_device() if device.index is None else device.index)[1]
+
+
+@functools.cache
+def _cuda_properties(index: int) -> tuple[int, tuple[int, int]]:
+    """(SM count, capability) of CUDA device ``index``, read once per process on first use (a
+    step asks several times; each read costs the host microseconds)."""
+    p = torch.cuda.get_device_properties(index)
+    return p.multi_processor_count, (p.major, p.minor)
 
 
 def linear_backward(

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..._dispatch import interpreting, num_sms
 from .. import jit_math as jm
+from ..launch import cached_launch
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -85,6 +86,7 @@ def _fwd_block(
     return m_new, s, ssum, hs, av, amax
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_ROW_OFF": lambda a: a["ROW_OFF"] is not None,
@@ -223,6 +225,7 @@ def _bwd_block(
     return d
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_ROW_OFF": lambda a: a["ROW_OFF"] is not None,

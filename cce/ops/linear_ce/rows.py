@@ -47,20 +47,17 @@ class RowOrder:
 
     def __init__(self, targets: torch.Tensor, rows: torch.Tensor | None, ignore_index: int):
         N = targets.numel()
-        dev = targets.device
         self.N = N
         self.valid = targets != ignore_index
-        self.safe_t = torch.where(self.valid, targets, torch.zeros_like(targets))
-        # Stable partition (valid rows keep their relative order): row i goes to its rank among
-        # the valid rows, or past them to its rank among the ignored ones. A cumsum and a scatter
-        # instead of a sort.
-        ar = torch.arange(N, device=dev)
-        cv = torch.cumsum(self.valid, 0)
+        self.safe_t = torch.where(self.valid, targets, 0)
+        # Stable partition (valid rows keep their relative order, then the ignored ones in
+        # theirs): a stable sort of the one-bit key "ignored", one op for the host.
+        self.perm = torch.sort(~self.valid, stable=True).indices
         self.n_valid = self.valid.sum(dtype=torch.int32).reshape(1)
-        pos = torch.where(self.valid, cv - 1, self.n_valid + ar - cv)
-        self.perm = torch.empty_like(ar).scatter_(0, pos, ar)
         self.identity = rows is None  # problem row i is e2d row i
-        self.erow = rows if rows is not None else ar  # e2d row, problem order
+        self.erow = (
+            rows if rows is not None else torch.arange(N, device=targets.device)
+        )  # e2d row, problem order
         self.erow_s = self.perm if rows is None else rows.index_select(0, self.perm).contiguous()
 
     def unsort(self, x_sorted: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ...._dispatch import num_sms
 from ... import jit_math as jm
+from ...launch import cached_launch
 from .common import (
     add_target_lo,
     aligned_parts,
@@ -43,6 +44,7 @@ from .dz import dense_dz, round_dz, store_dz
 from .forward import FWD_PROGRAMS_PER_SM_TMA
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,
@@ -137,6 +139,7 @@ def _dz_slab_tma_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,
@@ -204,6 +207,7 @@ def _dz_slab_kernel(
     )  # fmt: skip
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_WEIGHT": lambda a: a["W"] is not None,

@@ -15,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ...launch import cached_launch
 from .common import add_target_lo, check_inputs, config, device_context, logit_tile, precision
 from .dz import dense_dz
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,

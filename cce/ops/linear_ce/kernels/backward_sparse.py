@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ...._dispatch import interpreting
 from ... import jit_math as jm
+from ...launch import cached_launch
 from .common import (
     add_dc_targets,
     check_inputs,
@@ -145,6 +146,7 @@ def _kept_dz_to_slot(
         tl.store(ScaleBuf + slot + one, scale + tl.zeros((1,), tl.float32))
 
 
+@cached_launch
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
 @triton.jit
 def _kept_dz_kernel(
@@ -166,6 +168,7 @@ def _kept_dz_kernel(
     )  # fmt: skip
 
 
+@cached_launch
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
 @triton.jit
 def _kept_dz_block_kernel(
@@ -188,6 +191,7 @@ def _kept_dz_block_kernel(
     )  # fmt: skip
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,
@@ -336,6 +340,7 @@ def _sparse_de_kernel(
     )  # fmt: skip
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,

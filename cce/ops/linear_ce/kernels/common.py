@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import interpreting
+from ...._dispatch import capability, interpreting
 from ... import jit_math as jm
+from ...launch import cached_launch
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def use_tma(e2d: torch.Tensor, c: torch.Tensor) -> bool:
         return False
     if (c.shape[1] * c.element_size()) % 16 != 0:
         return False
-    return torch.cuda.get_device_capability(e2d.device)[0] >= 9
+    return capability(e2d.device)[0] >= 9
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,6 +247,7 @@ def sub_dc_smoothing(acc, W, GE, vid, col_mask, offs_do, dmask, HAS_WEIGHT: tl.c
 # Target logits
 
 
+@cached_launch
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None})
 @triton.jit
 def _target_logit_kernel(
@@ -304,6 +306,7 @@ def target_logits(
     )  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _target_term_sq_kernel(
     C,  # [V, D] classifier
@@ -340,6 +343,7 @@ def _target_term_sq_kernel(
 #   Out = sum r - lam (sum y - T)
 #
 # With every row sampled once (ok = 1), sum y = T and Out = sum r exactly.
+@cached_launch
 @triton.jit
 def _de_norm_sq_kernel(
     Ref,  # [k, D] fp32 sampled rows' exact dE, times their scale

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ...._dispatch import interpreting, num_sms
 from ... import jit_math as jm
+from ...launch import cached_launch
 from .common import (
     add_dc_targets,
     config,
@@ -89,6 +90,7 @@ def _store_slab_dz(
     tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,
@@ -131,6 +133,7 @@ def _slab_dz_kernel(
     )  # fmt: skip
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,
@@ -267,6 +270,7 @@ def _slab_dc_tile(
     tl.store(out, acc.to(dC.dtype.element_ty), mask=cmask[:, None] & dmask[None, :])
 
 
+@cached_launch
 @triton.heuristics(
     {
         "SCALE_DZ": lambda a: a["Scale"] is not None,
@@ -313,6 +317,7 @@ def _slab_grads_kernel(
             )  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _gather_slab_kernel(
     C, Perm, Dense, Out, D, stride_c, stride_o, slab, width, rows,
@@ -452,6 +457,7 @@ def run_dense_slabs(
             )  # fmt: skip
 
 
+@cached_launch
 @triton.jit
 def _slab_products_kernel(
     W,  # [R, >= V] fp32 per-class weights of R rows, in the sorted order (position p)

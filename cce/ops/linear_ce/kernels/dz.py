@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ... import jit_math as jm
+from ...launch import cached_launch
 from .common import device_context
 
 
@@ -103,6 +104,7 @@ def store_dz(
 #   L_ik = softcap(z_ik + bias_k),  dZ_ik = (p_ik (alpha_i [+ eta_i L_ik]) - beta_i [cls_k == t_i]) softcap'
 # from the fp32 logits z of a cuBLAS product, rounded once to the operand dtype (as the backward's
 # GEMMs read dZ). One pass over z in place of a chain of elementwise torch ops.
+@cached_launch
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
 @triton.jit
 def _class_dz_kernel(

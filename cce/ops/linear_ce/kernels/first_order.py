@@ -47,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import interpreting
+from ...._dispatch import interpreting, num_sms
+from ...launch import cached_launch
 from .common import device_context, mm_f32, precision, tensor_descriptor, tma_rows_ok, use_tma
 
 
@@ -97,6 +98,7 @@ def _tma(x: torch.Tensor) -> bool:
     return use_tma(x, x) and tma_rows_ok(x)
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_ROWS": lambda a: a["Rows"] is not None,
@@ -203,7 +205,7 @@ def gram(
     nb = triton.cdiv(D, BM)
     pairs = nb * (nb + 1) // 2
     if splits is None:
-        sms = 4 if interpreting() else torch.cuda.get_device_properties(x.device).multi_processor_count
+        sms = 4 if interpreting() else num_sms(x.device)
         splits = max(1, min(triton.cdiv(R, 4 * BK), triton.cdiv(2 * sms, pairs)))
     per = triton.cdiv(triton.cdiv(R, splits), BK) * BK
     with device_context(x.device):
@@ -216,6 +218,7 @@ def gram(
     return g
 
 
+@cached_launch
 @triton.heuristics({"USE_TMA": lambda a: a["Cd"] is not None})
 @triton.jit
 def _dc_first_order_kernel(

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ...._dispatch import num_sms
 from ... import jit_math as jm
+from ...launch import cached_launch
 from .common import (
     check_inputs,
     config,
@@ -140,6 +141,7 @@ def _fwd_tile(
     return m_new, s, ssum, ref, hs, av, amax
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,

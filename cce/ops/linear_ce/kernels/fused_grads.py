@@ -39,6 +39,7 @@ import triton.language as tl
 
 from ...._dispatch import FUSED_DIRECT_CHUNKS, fused_chunk_rows, fused_padded_classes, interpreting
 from ... import jit_math as jm
+from ...launch import cached_launch
 from .common import aligned_parts, check_inputs, device_context, mm_f32, slab_products
 
 
@@ -50,6 +51,7 @@ from .common import aligned_parts, check_inputs, device_context, mm_f32, slab_pr
 #           the argmax, the smallest id among the maxima
 #   pass B: alpha = a0 + a1 lse; dZ_v = (alpha exp(L_v - lse) - beta [v == t] - gamma w_v)
 #           (1 - tanh^2) rounded to the operand dtype in place; lo = dZ_t - round(dZ_t).
+@cached_launch
 @triton.heuristics(
     {
         "HAS_BIAS": lambda a: a["Bias"] is not None,
@@ -285,6 +287,7 @@ def linear_ce_fused(
 
 # out[rows[i]] = round(dE_i + lo_i c[t_i]) (rows None: out[i]): the target entries' rounding
 # remainders added in fp32 and dE rounded to the operands' dtype, in one pass over dE.
+@cached_launch
 @triton.heuristics({"HAS_ROWS": lambda a: a["Rows"] is not None})
 @triton.jit
 def _finish_de_kernel(
@@ -322,6 +325,7 @@ def _finish_de(dE, lo, c, safe_t, rows, M: int, dtype: torch.dtype) -> torch.Ten
     return out
 
 
+@cached_launch
 @triton.jit
 def _scale_kernel(X, S, n, BLOCK: tl.constexpr):
     """X *= S[0] in place, in fp32 (one rounding to X's dtype). S[0] == 1 (loss.backward() of the

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ...._dispatch import interpreting
 from ... import jit_math as jm
+from ...launch import cached_launch
 from .common import device_context, skipped_slog
 
 # The most slabs the one-program decision holds in registers.
@@ -49,6 +50,7 @@ RULE_KERNEL_SLABS = 64
 _GRAM_PROGRAMS = 128
 
 
+@cached_launch
 @triton.heuristics({"HAS_FO": lambda a: a["Fo"] is not None})
 @triton.jit
 def _slab_gram_kernel(
@@ -127,6 +129,7 @@ def _greedy_sq(x, bound2, offs_s, smask, n_slabs):
     return (r < mstar) & smask
 
 
+@cached_launch
 @triton.heuristics(
     {
         "HAS_DE": lambda a: a["Part"] is not None,
@@ -269,6 +272,7 @@ def skipped_coef(
     return alpha * S
 
 
+@cached_launch
 @triton.heuristics({"HAS_ETA": lambda a: a["Eta"] is not None})
 @triton.jit
 def _row_mass_kernel(
@@ -355,6 +359,7 @@ def row_masses(
 #            histogram of J (bin BLOCK_K - 1 > k - 1 collects the items past every quantile),
 #   Wt[j] = 1 / sqrt(k pi_Pos[j]) for ROWS (sample_rows' scale), else 1 / (k pi_Pos[j]) (the
 #           inverse of the expected draws; dc_norm_estimate's weight); 0 where pi is 0.
+@cached_launch
 @triton.jit
 def _chunk_sums_kernel(Mass, Out, M, BLOCK: tl.constexpr):
     """Out[c] = sum of Mass over chunk c."""
@@ -386,6 +391,7 @@ def _weights(
     return a, b, lim, cw, tl.sum(cw, axis=0)
 
 
+@cached_launch
 @triton.jit
 def _quantile_hist_kernel(
     Mass, Sm, NValid, Counts, M, n_chunks, k, share, add,
@@ -403,6 +409,7 @@ def _quantile_hist_kernel(
     tl.atomic_add(Counts + tl.arange(0, BLOCK_K), tl.histogram(J, BLOCK_K))
 
 
+@cached_launch
 @triton.jit
 def _quantile_pick_kernel(
     Mass, Sm, NValid, Counts, Pos, Wt, M, n_chunks, k, share, add,
@@ -455,6 +462,7 @@ def systematic_sample(
     return pos, wt
 
 
+@cached_launch
 @triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["EtaS"] is not None})
 @triton.jit
 def _sampled_dz_kernel(
@@ -576,6 +584,7 @@ def _dc_weights(
     return tl.where(msk, w + s[:, None] * (inv_size - q)[None, :], 0.0)
 
 
+@cached_launch
 @triton.heuristics({"HAS_FO": lambda a: a["X"] is not None})
 @triton.jit
 def _dc_error_kernel(

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ...._dispatch import interpreting
+from ...launch import cached_launch
 from .common import check_inputs, device_context, skipped_slog, tile_cols
 
 # ignored row, or a mass carried on to the next tile). 16 steps per nat (rounding <= 3.2%
@@ -21,6 +22,7 @@ from .common import check_inputs, device_context, skipped_slog, tile_cols
 STATS_STEPS = 16.0
 
 
+@cached_launch
 @triton.jit
 def _encode_stats_kernel(
     St, Sq, M0, Lse, NValid, Code, Keep, N, n_vtiles, stride_st, stride_code, chain,
@@ -105,6 +107,7 @@ def decode_tile_mass(code: torch.Tensor) -> torch.Tensor:
     return torch.where(code < 255, torch.exp(code * (-1.0 / STATS_STEPS)), 0.0)
 
 
+@cached_launch
 @triton.jit
 def _skipped_slog_kernel(
     Code, Lse, Out, N, nt, stride_code, softcap,
@@ -140,6 +143,7 @@ def skipped_slogs(code: torch.Tensor, lse: torch.Tensor, softcap: float, BLOCK_V
     return out
 
 
+@cached_launch
 @triton.jit
 def _tile_means_kernel(
     C, Perm, Cm, V, D, stride_c, stride_cm, d_lo, d_hi, BLOCK_V: tl.constexpr, BLOCK_DO: tl.constexpr
