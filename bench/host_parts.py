@@ -175,9 +175,13 @@ def _vp_step(e, c, t, device: torch.device):
 
     group, device = _group(device)
     start, size = shares(c.shape[0], dist.get_world_size(group))[dist.get_rank(group)]
-    e = e.to(device).detach().requires_grad_()
-    cb = c[start : start + size].to(device).detach().clone().requires_grad_()
-    t = t.to(device)
+    e, c, t = e.to(device), c.to(device), t.to(device)
+    # Sampling is not bit-identical across devices (zipf targets): every rank takes rank 0's
+    # inputs, as replicated activations would be (bench.dist does the same).
+    for x in (e, c, t):
+        dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group)
+    e = e.detach().requires_grad_()
+    cb = c[start : start + size].detach().clone().requires_grad_()
 
     def step():
         loss = linear_cross_entropy_vocab_parallel(e, cb, t, process_group=group)
