@@ -206,6 +206,16 @@ def _step(shape: str, regime: str, which: str, device: torch.device):
     return rank_step(e, cb, t, 0, size, lse_rest, -100)
 
 
+def step_walls(step: Callable[[], object], steps: int) -> list[float]:
+    """The host ms of each of ``steps`` calls of ``step``, issued back to back."""
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    return walls
+
+
 def measure(
     step: Callable[[], object], steps: int, device: torch.device, warmup: int = 3, bench: bool = True
 ) -> dict:
@@ -223,12 +233,8 @@ def measure(
             from triton.testing import do_bench
 
             out["do_bench_ms"] = float(do_bench(step, warmup=25, rep=200, return_mode="median"))
-        walls = []
         t_loop = time.perf_counter()
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            walls.append((time.perf_counter() - t0) * 1e3)
+        walls = step_walls(step, steps)
         torch.cuda.synchronize(device)
         out["loop_ms"] = (time.perf_counter() - t_loop) * 1e3 / steps
         out["host_ms_unwrapped"] = statistics.median(walls)
@@ -238,11 +244,7 @@ def measure(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         parts.clear()
-        walls = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            walls.append((time.perf_counter() - t0) * 1e3)
+        walls = step_walls(step, steps)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     out["host_ms"] = {"median": statistics.median(walls), "min": min(walls), "max": max(walls)}

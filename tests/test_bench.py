@@ -486,3 +486,31 @@ def test_host_parts_vp_step_in_a_group_of_one():
     # of its magnitude.
     for got, ref in zip((dE, dC), want, strict=True):
         assert float((got.float() - ref.float()).norm() / ref.float().norm()) <= 2.0**-10
+
+
+def test_device_parts_lists_a_steps_ops_by_time():
+    """bench.device_parts (CPU: the ops' CPU self time under the interpreter): one row per op,
+    sorted, adding up to the total."""
+    from bench.device_parts import device_parts
+    from bench.host_parts import _step
+
+    cpu = torch.device("cpu")
+    total, rows = device_parts(_step("64x32x600", "zipf", "half", cpu), cpu, steps=1, warmup=0)
+    assert rows and total == pytest.approx(sum(r[1] for r in rows))
+    assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
+    assert any("linear_ce" in r[0] for r in rows)
+
+
+def test_launch_ab_restores_the_cached_launch():
+    """bench.launch_ab: both settings timed in interleaved rounds; CachedLaunch.launch is the
+    cache's again afterwards."""
+    from bench.launch_ab import compare, tritons_path
+    from cce.ops.launch import CachedLaunch
+
+    before = CachedLaunch.launch
+    with tritons_path():
+        assert CachedLaunch.launch is not before
+    assert CachedLaunch.launch is before
+    res = compare("64x32x600", rounds=1, steps=1, device=torch.device("cpu"), warmup=0)
+    assert [len(v) for v in res.values()] == [1, 1] and all(h > 0 for v in res.values() for h, _ in v)
+    assert CachedLaunch.launch is before
