@@ -29,7 +29,8 @@ arguments in the kernel's parameter order. The kernel and its arguments are the 
 way, so are the results.
 
 Triton's path is taken for every launch under the interpreter, for a Triton without ``knobs``,
-while the kernel has pre-run hooks, for an argument of another type and for a callable grid.
+while the kernel has pre-run hooks, for an argument of another type or an unhashable constexpr,
+and for a callable grid.
 The key does not hold Triton's knobs (TRITON_DEBUG and the like): changing them within a
 process leaves the kernels already cached as they were compiled.
 """
@@ -177,7 +178,10 @@ class CachedLaunch:
                 pass  # (Triton's path: it raises for a missing argument, or knows the type)
             else:
                 key = (_driver.active.get_current_device(), parts, opts)
-        entry = None if key is None else self.cache.get(key)
+        try:
+            entry = None if key is None else self.cache.get(key)
+        except TypeError:  # (an unhashable constexpr or option: Triton's path, uncached)
+            entry = key = None
         if entry is None:
             compiled = self.base.run(grid=grid, warmup=False, **kwargs)
             if key is not None and compiled is not None:

@@ -150,11 +150,15 @@ def test_hit_launches_the_compiled_kernel_with_arguments_in_parameter_order(monk
     assert len(cl.cache) == 4
 
 
-def test_callable_grid_and_pre_run_hooks_take_tritons_path(monkeypatch):
+def test_callable_grid_pre_run_hooks_and_unhashable_constexprs_take_tritons_path(monkeypatch):
     cl = _cached(monkeypatch)
     cl[(1,)](**_kwargs())
     cl[lambda meta: (1,)](**_kwargs())
     assert len(cl.kernel.fn.runs) == 2
+    cl[(1,)](**_kwargs(BLOCK=[16]))  # (a list: no key; launched, not cached)
+    cl[(1,)](**_kwargs(BLOCK=[16]))
+    assert len(cl.kernel.fn.runs) == 4 and len(cl.cache) == 1
+    del cl.kernel.fn.runs[2:]
     cl.base.pre_run_hooks = [lambda *a, **k: None]
     cl[(1,)](**_kwargs())
     assert len(cl.kernel.fn.runs) == 3
