@@ -21,7 +21,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .host_parts import _group, _step
+from .host_parts import _group, _step, add_step_args
 
 
 def device_parts(step, device: torch.device, steps: int = 5, warmup: int = 3) -> tuple[float, list[tuple]]:
@@ -48,9 +48,7 @@ def device_parts(step, device: torch.device, steps: int = 5, warmup: int = 3) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.device_parts", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="llama3-8b", help="a bench.data shape name or NxDxV")
-    ap.add_argument("--data", default="zipf", help="a data regime (bench.data)")
-    ap.add_argument("--which", choices=("half", "one", "vp"), default="half")
+    add_step_args(ap)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=24, help="kernels printed")
     args = ap.parse_args(argv)

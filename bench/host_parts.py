@@ -255,11 +255,17 @@ def measure(
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.host_parts", description=__doc__.split("\n\n")[0])
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """The step's arguments (--shape, --data, --which) of _step, for this module and
+    bench.device_parts."""
     ap.add_argument("--shape", default="llama3-8b", help="a bench.data shape name or NxDxV")
     ap.add_argument("--data", default="zipf", help="a data regime (bench.data)")
     ap.add_argument("--which", choices=("half", "one", "vp"), default="half")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.host_parts", description=__doc__.split("\n\n")[0])
+    add_step_args(ap)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=45, help="parts printed")
     ap.add_argument("--json", help="write the result to this file")

@@ -16,7 +16,7 @@ import argparse
 import statistics
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -61,7 +61,7 @@ def compare(shape: str, rounds: int, steps: int, device: torch.device, warmup: i
     for rnd in range(rounds):
         order = ("cache", "triton") if rnd % 2 == 0 else ("triton", "cache")
         for name in order:
-            with tritons_path() if name == "triton" else _nothing():
+            with tritons_path() if name == "triton" else nullcontext():
                 h = host_ms(step, steps, device, warmup)
                 db = float("nan")
                 if device.type == "cuda":
@@ -70,11 +70,6 @@ def compare(shape: str, rounds: int, steps: int, device: torch.device, warmup: i
                     db = float(do_bench(step, warmup=25, rep=200, return_mode="median"))
             out[name].append((h, db))
     return out
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def main(argv: list[str] | None = None) -> int:
