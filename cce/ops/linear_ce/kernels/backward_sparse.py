@@ -359,7 +359,7 @@ def _sparse_dc_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_ETA: tl.constexpr, HAS_FO: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
-    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, SPLIT_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dC[ids of one vocabulary tile, one D chunk], written once in dC's dtype:
 
@@ -407,7 +407,8 @@ def _sparse_dc_kernel(
     g = tl.load(G + pid_v.to(tl.int64) * stride_g + offs_do, mask=dmask, other=0.0)
     acc += q[:, None] * g[None, :]
     acc = add_dc_targets(
-        acc, Seg, TRow, TPos, TCoef, E, pid_v, pid_v * BLOCK_V, offs_do, dmask, stride_e, BLOCK_V, BLOCK_R
+        acc, Seg, TRow, TPos, TCoef, E, pid_v, pid_v * BLOCK_V, offs_do, dmask, stride_e, BLOCK_V, BLOCK_R,
+        SPLIT_DOT,
     )  # fmt: skip
     if HAS_SMOOTH:
         acc = sub_dc_smoothing(acc, W, GE, vid, col_mask, offs_do, dmask, HAS_WEIGHT)
@@ -606,7 +607,7 @@ def linear_ce_backward_sparse(
                     GFlag=None if plan.fo is None else plan.fo.flag, dC=dC,
                     stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap,
                     tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
-                    BLOCK_R=BR, num_warps=warps, num_stages=2, **common,
+                    BLOCK_R=BR, SPLIT_DOT=not interpreting(), num_warps=warps, num_stages=2, **common,
                 )  # fmt: skip
         del scratch, scalebuf
     de_acc = None

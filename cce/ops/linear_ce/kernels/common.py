@@ -175,12 +175,22 @@ def tile_cols(Perm, j, V, BLOCK_V: tl.constexpr):
 @triton.jit
 def add_dc_targets(
     acc, Seg, TRow, TPos, TCoef, E, j, p0, offs_do, dmask, stride_e,
-    LANES: tl.constexpr, BLOCK_R: tl.constexpr,
+    LANES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_DOT: tl.constexpr,
 ):  # fmt: skip
     """acc [LANES, BLOCK_DO] (dC rows of sorted positions p0 + lane, all in tile j) plus, for each
     valid row i whose target lies there, coef_i e_i: the rows ordered by their target's tile
-    (Seg, TRow, TPos, TCoef of backward_sparse.SparsePlan), one fp32 one-hot product per BLOCK_R
-    of them (fp32 operands: the coefficient alpha p_t - beta is a cancellation)."""
+    (Seg, TRow, TPos, TCoef of backward_sparse.SparsePlan), one one-hot product per BLOCK_R of
+    them, exact to fp32 (the coefficient alpha p_t - beta is a cancellation).
+
+    With SPLIT_DOT the product runs on the tensor cores: x = coef_i e_i (fp32) is split into three
+    bf16 parts whose sum is x exactly (bf16 keeps fp32's exponent range and 8 of its 24
+    significant bits: each part is the bf16 rounding of what the parts before it leave, and the
+    remainder shrinks by 8 bits at each step), the one-hot is exact in bf16 and the products
+    accumulate in fp32. Without it (the interpreter, whose bf16 products are wrong) one fp32
+    product of FMAs ("ieee"). The frequent classes' targets sit in the first tiles of the sorted
+    vocabulary (half of a zipf-like batch's rows in one tile at N = 8192): those tiles' programs
+    loop over thousands of rows while the others have a few, so the loop is the writer's longest
+    path (docs/benchmarks.md, issue 17, session 25)."""
     seg0 = tl.load(Seg + j)
     seg1 = tl.load(Seg + j + 1)
     lanes = tl.arange(0, LANES)
@@ -193,8 +203,18 @@ def add_dc_targets(
         x = tl.load(
             E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
         ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
-        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [LANES, BLOCK_R]
-        acc = tl.dot(onehot, x, acc, input_precision="ieee")
+        if SPLIT_DOT:
+            onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0).to(tl.bfloat16)  # [LANES, BLOCK_R]
+            hi = x.to(tl.bfloat16)
+            rest = x - hi.to(tl.float32)  # exact: x's bits below hi's
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 bits remain
+            acc = tl.dot(onehot, hi, acc)
+            acc = tl.dot(onehot, mid, acc)
+            acc = tl.dot(onehot, lo, acc)
+        else:
+            onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [LANES, BLOCK_R]
+            acc = tl.dot(onehot, x, acc, input_precision="ieee")
     return acc
 
 

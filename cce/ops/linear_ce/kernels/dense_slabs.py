@@ -225,7 +225,7 @@ def _slab_dc_tile(
     D, stride_dz, stride_e, stride_dc, v0, width,
     SCALE_DZ: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dC[perm[v0 + cols of block pid_m], D chunk pid_d] = DZ[:n_valid, cols]^T @
     E[erow[:n_valid], D chunk] + sum over the rows i whose target is one of these classes of
@@ -261,7 +261,8 @@ def _slab_dc_tile(
     # The target entries (left out of the slab), as in backward_sparse._sparse_dc_kernel.
     p0 = v0 + pid_m * BLOCK_M
     acc = add_dc_targets(
-        acc, Seg, TRow, TPos, TCoef, E, p0 // BLOCK_V, p0, offs_do, dmask, stride_e, BLOCK_M, BLOCK_R
+        acc, Seg, TRow, TPos, TCoef, E, p0 // BLOCK_V, p0, offs_do, dmask, stride_e, BLOCK_M, BLOCK_R,
+        SPLIT_DOT,
     )  # fmt: skip
     vid = tl.load(Perm + v0 + cols, mask=cmask, other=0).to(tl.int64)
     if HAS_SMOOTH:
@@ -291,7 +292,8 @@ def _slab_grads_kernel(
     D, stride_dz, stride_c, stride_e, stride_de, stride_dc, slab, v0, width, de_blocks,
     SCALE_DZ: tl.constexpr, HAS_DE: tl.constexpr, HAS_DC: tl.constexpr, HAS_SMOOTH: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DO: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Both GEMMs of a dense slab in one launch (they read dZ and write disjoint outputs), if slab
     ``slab`` is dense: programs [0, de_blocks) along axis 0 take dE's row blocks (_slab_de_tile),
@@ -313,7 +315,7 @@ def _slab_grads_kernel(
             _slab_dc_tile(
                 DZ, E, Erow, Perm, NValid, dC, Scale, DZtd, Ed, Seg, TRow, TPos, TCoef, W, GE,
                 pid - de_blocks, pid_d, D, stride_dz, stride_e, stride_dc, v0, width, SCALE_DZ, HAS_SMOOTH,
-                HAS_WEIGHT, USE_TMA, BLOCK_M, BLOCK_DO, BLOCK_K, BLOCK_V, BLOCK_R, PRECISION,
+                HAS_WEIGHT, USE_TMA, BLOCK_M, BLOCK_DO, BLOCK_K, BLOCK_V, BLOCK_R, SPLIT_DOT, PRECISION,
             )  # fmt: skip
 
 
@@ -453,7 +455,7 @@ def run_dense_slabs(
                 stride_e=e2d.stride(0), stride_de=0 if de_acc is None else de_acc.stride(0),
                 stride_dc=0 if dC is None else dC.stride(0), slab=s, v0=v0, width=width,
                 de_blocks=de_blocks, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV,
-                BLOCK_R=BR, PRECISION=prec, num_warps=warps, num_stages=stages,
+                BLOCK_R=BR, SPLIT_DOT=not interpreting(), PRECISION=prec, num_warps=warps, num_stages=stages,
             )  # fmt: skip
 
 
