@@ -514,3 +514,25 @@ def test_launch_ab_restores_the_cached_launch():
     res = compare("64x32x600", rounds=1, steps=1, device=torch.device("cpu"), warmup=0)
     assert [len(v) for v in res.values()] == [1, 1] and all(h > 0 for v in res.values() for h, _ in v)
     assert CachedLaunch.launch is before
+
+
+def test_dc_writer_variants_and_restore():
+    """bench.dc_writer (CPU: the interpreter's CPU self time): the four plan variants are timed,
+    the variants leave out what they say, and the sparse backward is restored afterwards."""
+    from bench.dc_writer import captured_call, measure, variants
+    from cce.ops.linear_ce.kernels import backward_sparse as KS
+
+    before = KS.linear_ce_backward_sparse
+    res = measure("64x32x600", "zipf", "half", torch.device("cpu"), reps=1)
+    assert KS.linear_ce_backward_sparse is before
+    assert all(res[k] > 0 for k in ("base", "no_targets", "no_kept", "neither"))
+    assert res["tiles"] > 0 and sum(res["targets_top"]) > 0
+    from bench.host_parts import _step
+
+    with captured_call() as seen:
+        _step("64x32x600", "zipf", "one", torch.device("cpu"))()
+    assert KS.linear_ce_backward_sparse is before
+    v = variants(seen["args"][11])
+    assert not v["no_targets"].seg.any() and torch.equal(v["no_targets"].cnt_c, v["base"].cnt_c)
+    assert not v["no_kept"].cnt_c.any() and torch.equal(v["no_kept"].seg, v["base"].seg)
+    assert not v["neither"].seg.any() and not v["neither"].cnt_c.any()

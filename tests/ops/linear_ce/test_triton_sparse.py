@@ -559,3 +559,26 @@ def test_minus_inf_bias_masking_whole_tiles(entropy):
     # the filter's error on this data, as in the tests above (a few 1e-3; 4% with a large
     # entropy term)
     assert rel_err(dE, ed.grad) < 0.1 and rel_err(dC, cd.grad) < 0.1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(-110, 110), st.integers(0, 2**31 - 1))
+def test_target_product_split_is_exact(exp, seed):
+    """The dC writers' target rows on the tensor cores (common.add_dc_targets with SPLIT_DOT, the
+    GPU's path: the interpreter's bf16 products are wrong, so the kernel cannot run it here) split
+    x = coef_i e_i into three bf16 parts whose sum is x exactly; the same roundings in torch (round
+    to nearest even, as the kernel's casts), on random values and on ones with all 24 significant
+    bits set, at magnitudes 2^-110 .. 2^110. Exact where |x| >= 2^-110 (below, the last part falls
+    under bf16's smallest normal, 2^-126, and loses bits: an error below 2^-126)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4096, generator=g, dtype=torch.float64)
+    x[:4] = torch.tensor([1 - 2**-24, -(2 - 2**-23), 1 + 2**-23, 1.5 - 2**-24], dtype=torch.float64)
+    x = (x * 2.0**exp).float()
+    hi = x.to(torch.bfloat16)
+    rest = x - hi.float()
+    mid = rest.to(torch.bfloat16)
+    lo = (rest - mid.float()).to(torch.bfloat16)
+    err = (hi.double() + mid.double() + lo.double() - x.double()).abs()
+    big = x.double().abs() >= 2.0**-110
+    assert torch.all(err[big] == 0)
+    assert torch.all(err <= 2.0**-126)

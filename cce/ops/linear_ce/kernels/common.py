@@ -185,8 +185,9 @@ def add_dc_targets(
     With SPLIT_DOT the product runs on the tensor cores: x = coef_i e_i (fp32) is split into three
     bf16 parts whose sum is x exactly (bf16 keeps fp32's exponent range and 8 of its 24
     significant bits: each part is the bf16 rounding of what the parts before it leave, and the
-    remainder shrinks by 8 bits at each step), the one-hot is exact in bf16 and the products
-    accumulate in fp32. Without it (the interpreter, whose bf16 products are wrong) one fp32
+    remainder shrinks by 8 bits at each step; exact where |x| >= 2^-110, below which the last part
+    is under bf16's smallest normal and the error under 2^-126), the one-hot is exact in bf16 and
+    the products accumulate in fp32. Without it (the interpreter, whose bf16 products are wrong) one fp32
     product of FMAs ("ieee"). The frequent classes' targets sit in the first tiles of the sorted
     vocabulary (half of a zipf-like batch's rows in one tile at N = 8192): those tiles' programs
     loop over thousands of rows while the others have a few, so the loop is the writer's longest
