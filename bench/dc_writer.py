@@ -14,8 +14,8 @@ it with dE, the dense slabs and the first-order terms left out::
 
     python -m bench.dc_writer --shape llama3-8b --data zipf
 
-Prints per step: the writer's ms per variant, the target rows of the busiest tiles, the kept
-tiles, and the compiled writer's registers and spills. On the CPU (no CUDA) the launcher's wall
+Prints per step: the writer's ms per variant, the target rows of the busiest tiles and the kept
+tiles. On the CPU (no CUDA) the launcher's wall
 time per variant under the interpreter is printed instead, which tests the module, not a device.
 """
 
@@ -120,18 +120,6 @@ def measure(shape: str, regime: str, which: str, device: torch.device, reps: int
     return out
 
 
-def compiled_regs() -> list[tuple]:
-    """(registers, spills, warps) of each compiled dC writer in cce's launch cache."""
-    from cce.ops.linear_ce.kernels import backward_sparse as KS
-
-    out = []
-    for compiled, _ in getattr(KS._sparse_dc_kernel, "cache", {}).values():
-        meta = getattr(compiled, "metadata", None)
-        out.append((getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None),
-                    getattr(meta, "num_warps", None)))  # fmt: skip
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.dc_writer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b", help="a bench.data shape name or NxDxV")
@@ -149,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tiles_with_kept']}",
             flush=True,
         )
-    if device.type == "cuda":
-        print("dC writer (registers, spills, warps):", compiled_regs())
     return 0
 
 
