@@ -70,4 +70,9 @@ def test_emulation_runs_on_cpu(tmp_path, capsys):
         # fp32: the group of one and one device run the same kernels on the same tiles; only the
         # per-row coefficients' rounding differs (a few ulps).
         assert r["full_dE_vs_one"] < 1e-5 and r["full_dC_vs_one"] < 1e-5
-    assert "VP(1/2) ms" in capsys.readouterr().out
+        # the host ms of one call, for the single-GPU call and each block; the slowest block's
+        assert r["one_host_ms"] > 0 and all(b["host_ms"] > 0 for b in r["blocks"])
+        slowest = max(r["blocks"], key=lambda b: b["ms"])
+        assert r["vp_host_ms"] == slowest["host_ms"] and r["vp_ms"] == slowest["ms"]
+    out = capsys.readouterr().out
+    assert "VP(1/2) ms" in out and "host ms one/VP" in out
