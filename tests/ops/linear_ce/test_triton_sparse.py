@@ -582,3 +582,17 @@ def test_target_product_split_is_exact(exp, seed):
     big = x.double().abs() >= 2.0**-110
     assert torch.all(err[big] == 0)
     assert torch.all(err <= 2.0**-126)
+
+
+def test_split_dot_only_where_bf16_products_are_right(monkeypatch):
+    """split_dot (add_dc_targets' SPLIT_DOT): never under the interpreter or off CUDA; on CUDA from
+    Ampere on (bf16 tensor-core products), the fp32 product before."""
+    from cce.ops.linear_ce.kernels import common
+
+    assert common.split_dot(torch.device("cpu")) is False
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    for cap, want in (((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(common, "capability", lambda device, cap=cap: cap)
+        assert common.split_dot(torch.device("cuda", 0)) is want
+    monkeypatch.setattr(common, "interpreting", lambda: True)
+    assert common.split_dot(torch.device("cuda", 0)) is False

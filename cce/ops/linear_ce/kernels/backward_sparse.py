@@ -30,6 +30,7 @@ from .common import (
     device_context,
     logit_tile,
     precision,
+    split_dot,
     stats_blocks,
     sub_dc_smoothing,
     tile_cols,
@@ -607,7 +608,7 @@ def linear_ce_backward_sparse(
                     GFlag=None if plan.fo is None else plan.fo.flag, dC=dC,
                     stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap,
                     tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
-                    BLOCK_R=BR, SPLIT_DOT=not interpreting(), num_warps=warps, num_stages=2, **common,
+                    BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=2, **common,
                 )  # fmt: skip
         del scratch, scalebuf
     de_acc = None

@@ -139,6 +139,12 @@ def use_tma(e2d: torch.Tensor, c: torch.Tensor) -> bool:
     return capability(e2d.device)[0] >= 9
 
 
+def split_dot(device: torch.device) -> bool:
+    """add_dc_targets' SPLIT_DOT: bf16 tensor-core products (Ampere or newer), not the
+    interpreter (whose bf16 products are wrong)."""
+    return not interpreting() and device.type == "cuda" and capability(device)[0] >= 8
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared jit pieces
 
@@ -187,11 +193,12 @@ def add_dc_targets(
     significant bits: each part is the bf16 rounding of what the parts before it leave, and the
     remainder shrinks by 8 bits at each step; exact where |x| >= 2^-110, below which the last part
     is under bf16's smallest normal and the error under 2^-126), the one-hot is exact in bf16 and
-    the products accumulate in fp32. Without it (the interpreter, whose bf16 products are wrong) one fp32
-    product of FMAs ("ieee"). The frequent classes' targets sit in the first tiles of the sorted
-    vocabulary (half of a zipf-like batch's rows in one tile at N = 8192): those tiles' programs
-    loop over thousands of rows while the others have a few, so the loop is the writer's longest
-    path (docs/benchmarks.md, issue 17, session 25)."""
+    the products accumulate in fp32. Without it (``split_dot``: the interpreter, whose bf16
+    products are wrong, and GPUs before Ampere) one fp32 product of FMAs ("ieee"). The frequent
+    classes' targets sit in the first tiles of the sorted vocabulary (half of a zipf-like batch's
+    rows in one tile at N = 8192): those tiles' programs loop over thousands of rows while the
+    others have a few, so the loop is the writer's longest path (docs/benchmarks.md, issue 16,
+    session 25)."""
     seg0 = tl.load(Seg + j)
     seg1 = tl.load(Seg + j + 1)
     lanes = tl.arange(0, LANES)

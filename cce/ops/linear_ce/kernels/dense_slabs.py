@@ -40,6 +40,7 @@ from .common import (
     device_context,
     logit_tile,
     precision,
+    split_dot,
     sub_dc_smoothing,
     tensor_descriptor,
     tile_cols,
@@ -455,7 +456,8 @@ def run_dense_slabs(
                 stride_e=e2d.stride(0), stride_de=0 if de_acc is None else de_acc.stride(0),
                 stride_dc=0 if dC is None else dC.stride(0), slab=s, v0=v0, width=width,
                 de_blocks=de_blocks, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV,
-                BLOCK_R=BR, SPLIT_DOT=not interpreting(), PRECISION=prec, num_warps=warps, num_stages=stages,
+                BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), PRECISION=prec, num_warps=warps,
+                num_stages=stages,
             )  # fmt: skip
 
 
