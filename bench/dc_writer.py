@@ -25,14 +25,17 @@ import argparse
 import copy
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cce.ops.linear_ce.kernels.backward_sparse import SparsePlan
+
 from .host_parts import _step
 
-_PLAN = 11  # linear_ce_backward_sparse's positional index of the plan
+PLAN_ARG = 11  # linear_ce_backward_sparse's positional index of the plan
 _NEED_DE, _NEED_DC = 13, 14
 _PLAN_TENSORS = (
     "list_c", "cnt_c", "g", "q", "trow", "tpos", "tcoef", "seg", "gidx", "klist", "n_kept", "keep", "code",
@@ -41,7 +44,7 @@ _PLAN_TENSORS = (
 
 
 @contextmanager
-def captured_call():
+def captured_call() -> Iterator[dict]:
     """Within it, the sparse backward's first call's arguments are kept (the plan copied, since
     the launcher releases its tensors) in the yielded dict; the function is restored after."""
     from cce.ops.linear_ce.kernels import backward_sparse as KS
@@ -51,13 +54,13 @@ def captured_call():
 
     def keep_first(*args, **kwargs):
         if "args" not in seen:
-            plan = copy.copy(args[_PLAN])
+            plan = copy.copy(args[PLAN_ARG])
             for f in _PLAN_TENSORS:
                 v = getattr(plan, f)
                 setattr(plan, f, None if v is None else v.clone())
             plan.fo = None  # (the first-order terms: not the writer's part)
             seen["args"], seen["kwargs"], seen["orig"] = list(args), dict(kwargs), orig
-            seen["args"][_PLAN] = plan
+            seen["args"][PLAN_ARG] = plan
         return orig(*args, **kwargs)
 
     KS.linear_ce_backward_sparse = keep_first
@@ -67,7 +70,7 @@ def captured_call():
         KS.linear_ce_backward_sparse = orig
 
 
-def variants(plan) -> dict:
+def variants(plan: SparsePlan) -> dict:
     """The plan and its copies without target rows, without kept blocks, and without either."""
     no_t = copy.copy(plan)
     no_t.seg = torch.zeros_like(plan.seg)
@@ -78,12 +81,12 @@ def variants(plan) -> dict:
     return {"base": plan, "no_targets": no_t, "no_kept": no_k, "neither": neither}
 
 
-def writer_ms(seen: dict, plan, device: torch.device, reps: int = 5) -> float:
+def writer_ms(seen: dict, plan: SparsePlan, device: torch.device, reps: int = 5) -> float:
     """ms per call of the dC writer on ``plan``: its device time on CUDA; off CUDA the wall time
     of the launcher's call (the interpreter's kernels are not profiler events)."""
     cuda = device.type == "cuda"
     args = list(seen["args"])
-    args[_PLAN], args[_NEED_DE], args[_NEED_DC] = plan, False, True
+    args[PLAN_ARG], args[_NEED_DE], args[_NEED_DC] = plan, False, True
     kwargs = dict(seen["kwargs"], release=False, dense=None, decided=None)
     run = seen["orig"]
     run(*args, **kwargs)
@@ -108,7 +111,7 @@ def measure(shape: str, regime: str, which: str, device: torch.device, reps: int
         step()
     if "args" not in seen:
         raise RuntimeError("the step did not take the sparse backward")
-    plan = seen["args"][_PLAN]
+    plan = seen["args"][PLAN_ARG]
     per_tile = (plan.seg[1:] - plan.seg[:-1]).tolist()
     out = {name: writer_ms(seen, p, device, reps) for name, p in variants(plan).items()}
     out.update(

@@ -517,9 +517,10 @@ def test_launch_ab_restores_the_cached_launch():
 
 
 def test_dc_writer_variants_and_restore():
-    """bench.dc_writer (CPU: the interpreter's CPU self time): the four plan variants are timed,
-    the variants leave out what they say, and the sparse backward is restored afterwards."""
-    from bench.dc_writer import captured_call, measure, variants
+    """bench.dc_writer (CPU: the launcher's wall time under the interpreter): the four plan
+    variants are timed, the variants leave out what they say, and the sparse backward is restored
+    afterwards."""
+    from bench.dc_writer import PLAN_ARG, captured_call, measure, variants
     from cce.ops.linear_ce.kernels import backward_sparse as KS
 
     before = KS.linear_ce_backward_sparse
@@ -532,7 +533,7 @@ def test_dc_writer_variants_and_restore():
     with captured_call() as seen:
         _step("64x32x600", "zipf", "one", torch.device("cpu"))()
     assert KS.linear_ce_backward_sparse is before
-    v = variants(seen["args"][11])
+    v = variants(seen["args"][PLAN_ARG])
     assert not v["no_targets"].seg.any() and torch.equal(v["no_targets"].cnt_c, v["base"].cnt_c)
     assert not v["no_kept"].cnt_c.any() and torch.equal(v["no_kept"].seg, v["base"].seg)
     assert not v["neither"].seg.any() and not v["neither"].cnt_c.any()

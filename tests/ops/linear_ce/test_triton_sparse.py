@@ -567,12 +567,17 @@ def test_target_product_split_is_exact(exp, seed):
     """The dC writers' target rows on the tensor cores (common.add_dc_targets with SPLIT_DOT, the
     GPU's path: the interpreter's bf16 products are wrong, so the kernel cannot run it here) split
     x = coef_i e_i into three bf16 parts whose sum is x exactly; the same roundings in torch (round
-    to nearest even, as the kernel's casts), on random values and on ones with all 24 significant
-    bits set, at magnitudes 2^-110 .. 2^110. Exact where |x| >= 2^-110 (below, the last part falls
-    under bf16's smallest normal, 2^-126, and loses bits: an error below 2^-126)."""
+    to nearest even, as the kernel's casts), on random values, on ones with all 24 significant
+    bits set and on bf16 rounding ties, at magnitudes 2^-110 .. 2^110. Exact where |x| >= 2^-110
+    (below, the last part falls under bf16's smallest normal, 2^-126, and loses bits: an error
+    below 2^-126)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4096, generator=g, dtype=torch.float64)
-    x[:4] = torch.tensor([1 - 2**-24, -(2 - 2**-23), 1 + 2**-23, 1.5 - 2**-24], dtype=torch.float64)
+    # all 24 significant bits set (two signs), bf16 rounding ties (to even, both ways), the last bit
+    x[:6] = torch.tensor(
+        [1 - 2**-24, -(2 - 2**-23), 1 + 2**-8, 1 + 3 * 2**-8, -(1.5 - 2**-23), 1 + 2**-23],
+        dtype=torch.float64,
+    )
     x = (x * 2.0**exp).float()
     hi = x.to(torch.bfloat16)
     rest = x - hi.float()

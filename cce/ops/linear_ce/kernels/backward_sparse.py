@@ -367,7 +367,8 @@ def _sparse_dc_kernel(
     sum over the tile's kept token blocks of dZ_tile^T @ E_block (recomputed)
     + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile;
       uniformly, 1 / |j|, where GFlag is nonzero: the first-order terms carry the rest)
-    + sum over the rows i with t_i in the tile of coef_i e_i (exact in fp32) [- w_v sum_i gamma_i e_i].
+    + sum over the rows i with t_i in the tile of coef_i e_i (to fp32 accuracy: common.add_dc_targets)
+      [- w_v sum_i gamma_i e_i].
 
     Tiles of a dense slab (Dense, per slab of tiles_per_slab tiles, or None) are written by
     dense_slabs._slab_grads_kernel instead.

@@ -186,19 +186,21 @@ def add_dc_targets(
     """acc [LANES, BLOCK_DO] (dC rows of sorted positions p0 + lane, all in tile j) plus, for each
     valid row i whose target lies there, coef_i e_i: the rows ordered by their target's tile
     (Seg, TRow, TPos, TCoef of backward_sparse.SparsePlan), one one-hot product per BLOCK_R of
-    them, exact to fp32 (the coefficient alpha p_t - beta is a cancellation).
+    them, to fp32 accuracy (the coefficient alpha p_t - beta is a cancellation).
 
     With SPLIT_DOT the product runs on the tensor cores: x = coef_i e_i (fp32) is split into three
     bf16 parts whose sum is x exactly (bf16 keeps fp32's exponent range and 8 of its 24
     significant bits: each part is the bf16 rounding of what the parts before it leave, and the
-    remainder shrinks by 8 bits at each step; exact where |x| >= 2^-110, below which the last part
-    is under bf16's smallest normal and the error under 2^-126), the one-hot is exact in bf16 and
-    the products accumulate in fp32. Without it (``split_dot``: the interpreter, whose bf16
-    products are wrong, and GPUs before Ampere) one fp32 product of FMAs ("ieee"). The frequent
-    classes' targets sit in the first tiles of the sorted vocabulary (half of a zipf-like batch's
-    rows in one tile at N = 8192): those tiles' programs loop over thousands of rows while the
-    others have a few, so the loop is the writer's longest path (docs/benchmarks.md, issue 16,
-    session 25)."""
+    remainder shrinks by 8 bits at each step; exact where 2^-110 <= |x| < 3.39e38, below which the
+    last part is under bf16's smallest normal and the error under 2^-126, above which the first
+    part rounds to inf), the one-hot is exact in bf16, and the products are summed in the tensor
+    cores' fp32 accumulator, which may truncate where an FMA rounds: a few ulp of fp32 per sum.
+    (A compiler's fusing of coef_i e_i - hi into one FMA only brings the parts closer to the exact
+    product.) Without it (``split_dot``: the interpreter, whose bf16 products are wrong, and GPUs
+    before Ampere) one fp32 product of FMAs ("ieee"). The frequent classes' targets sit in the
+    first tiles of the sorted vocabulary (half of a zipf-like batch's rows in one tile at
+    N = 8192): those tiles' programs loop over thousands of rows while the others have a few, so
+    the loop is the writer's longest path (docs/benchmarks.md, issue 16, session 25)."""
     seg0 = tl.load(Seg + j)
     seg1 = tl.load(Seg + j + 1)
     lanes = tl.arange(0, LANES)

@@ -387,6 +387,7 @@ def run_dense_slabs(
     tma = use_tma(e2d, c)
     BM, BDO, BK, warps, stages = dense_config(tma)
     BR = 16 if interpreting() else 32
+    split = split_dot(e2d.device)
     if BV % BM:
         raise ValueError(f"the dC tiles ({BM} classes) must divide the vocabulary tiles ({BV})")
     width_max = tiles_per_slab * BV
@@ -456,7 +457,7 @@ def run_dense_slabs(
                 stride_e=e2d.stride(0), stride_de=0 if de_acc is None else de_acc.stride(0),
                 stride_dc=0 if dC is None else dC.stride(0), slab=s, v0=v0, width=width,
                 de_blocks=de_blocks, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV,
-                BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), PRECISION=prec, num_warps=warps,
+                BLOCK_R=BR, SPLIT_DOT=split, PRECISION=prec, num_warps=warps,
                 num_stages=stages,
             )  # fmt: skip
 
