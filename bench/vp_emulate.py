@@ -27,8 +27,9 @@ block; triton.testing.do_bench), peak MB allocated above the inputs during that 
 same minus the gradients' own bytes ("beyond grads": what the issue's memory target is about);
 the forward matmul e @ c.T of the whole head and of the largest block as floors; the host ms of
 one call, issued while the device sleeps (bench.host: with gated launches all issued, the most a
-call issues), for the single-GPU call and each block: a block whose host ms reach its ms is bound
-by the host, where a faster kernel does not show. The summary
+call issues), for the single-GPU call and each block: host ms below a block's ms rule its host
+out as the bound; at or above, the host may bound it (then a faster kernel need not show). The
+summary
 takes the slowest block (the step waits for the slowest rank) against the single-GPU call, and
 checks the targets: time <= TIME_RATIO_MAX x, memory beyond gradients <= MEM_EXTRA_MAX more.
 """
@@ -235,8 +236,8 @@ def table(rows: list[dict], k: int) -> str:
     lines.append(
         f"(ratio: slowest block / one GPU, target <= {TIME_RATIO_MAX}; extra: memory beyond the gradients "
         f"above one GPU's, target <= {MEM_EXTRA_MAX:.0%}; '!' misses a target. Collectives not measured. "
-        "host ms: one call issued while the device sleeps, every gated launch included; a block whose "
-        "host ms reach its ms is bound by the host.)"
+        "host ms: one call issued while the device sleeps, every gated launch included (the most a call "
+        "issues): below a block's ms its host is not the bound; at or above, it may be.)"
     )
     return "\n".join(lines)
 
