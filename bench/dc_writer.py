@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from cce.ops.linear_ce.kernels.backward_sparse import SparsePlan
 
+from .device_parts import device_parts
 from .host_parts import _step
 
 PLAN_ARG = 11  # linear_ce_backward_sparse's positional index of the plan
@@ -95,13 +95,8 @@ def writer_ms(seen: dict, plan: SparsePlan, device: torch.device, reps: int = 5)
         for _ in range(reps):
             run(*args, **kwargs)
         return (time.perf_counter() - t0) * 1e3 / reps
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(reps):
-            run(*args, **kwargs)
-        torch.cuda.synchronize(device)
-    us = sum(ev.self_device_time_total for ev in p.key_averages() if "_sparse_dc_kernel" in ev.key)
-    return us / reps / 1e3
+    _, rows = device_parts(lambda: run(*args, **kwargs), device, steps=reps, warmup=0)
+    return sum(ms for name, ms, _ in rows if "_sparse_dc_kernel" in name)
 
 
 def measure(shape: str, regime: str, which: str, device: torch.device, reps: int = 5) -> dict:

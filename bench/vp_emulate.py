@@ -29,9 +29,9 @@ the forward matmul e @ c.T of the whole head and of the largest block as floors;
 one call, issued while the device sleeps (bench.host: with gated launches all issued, the most a
 call issues), for the single-GPU call and each block: host ms below a block's ms rule its host
 out as the bound; at or above, the host may bound it (then a faster kernel need not show). The
-summary
-takes the slowest block (the step waits for the slowest rank) against the single-GPU call, and
-checks the targets: time <= TIME_RATIO_MAX x, memory beyond gradients <= MEM_EXTRA_MAX more.
+summary takes the slowest block (the step waits for the slowest rank) against the single-GPU
+call, and checks the targets: time <= TIME_RATIO_MAX x, memory beyond gradients <= MEM_EXTRA_MAX
+more.
 """
 
 from __future__ import annotations

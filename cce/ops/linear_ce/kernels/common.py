@@ -213,17 +213,17 @@ def add_dc_targets(
         x = tl.load(
             E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
         ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
+        onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [LANES, BLOCK_R]
         if SPLIT_DOT:
-            onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0).to(tl.bfloat16)  # [LANES, BLOCK_R]
+            oh = onehot.to(tl.bfloat16)  # exact
             hi = x.to(tl.bfloat16)
             rest = x - hi.to(tl.float32)  # exact: x's bits below hi's
             mid = rest.to(tl.bfloat16)
             lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)  # exact: at most 8 bits remain
-            acc = tl.dot(onehot, hi, acc)
-            acc = tl.dot(onehot, mid, acc)
-            acc = tl.dot(onehot, lo, acc)
+            acc = tl.dot(oh, hi, acc)
+            acc = tl.dot(oh, mid, acc)
+            acc = tl.dot(oh, lo, acc)
         else:
-            onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [LANES, BLOCK_R]
             acc = tl.dot(onehot, x, acc, input_precision="ieee")
     return acc
 
