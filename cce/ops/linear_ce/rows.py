@@ -55,10 +55,33 @@ class RowOrder:
         self.perm = torch.sort(~self.valid, stable=True).indices
         self.n_valid = self.valid.sum(dtype=torch.int32).reshape(1)
         self.identity = rows is None  # problem row i is e2d row i
-        self.erow = (
-            rows if rows is not None else torch.arange(N, device=targets.device)
-        )  # e2d row, problem order
+        self._rows = rows
+        self._erow = None
         self.erow_s = self.perm if rows is None else rows.index_select(0, self.perm).contiguous()
+
+    @classmethod
+    def from_order(cls, perm: torch.Tensor, n_valid: torch.Tensor, rows: torch.Tensor | None) -> RowOrder:
+        """The order a forward made (its ``perm`` and ``n_valid``), for its backward: no sort and
+        no pass over the targets (host time of a step, docs/benchmarks.md). ``valid`` and
+        ``safe_t`` are None: the caller has the sorted targets."""
+        self = cls.__new__(cls)
+        self.N = perm.numel()
+        self.valid = self.safe_t = None
+        self.perm, self.n_valid = perm, n_valid
+        self.identity = rows is None
+        self._rows = rows
+        self._erow = None
+        self.erow_s = perm if rows is None else rows.index_select(0, perm).contiguous()
+        return self
+
+    @property
+    def erow(self) -> torch.Tensor:
+        """The e2d row of each problem row (problem order), made on first use."""
+        if self._erow is None:
+            self._erow = (
+                self._rows if self._rows is not None else torch.arange(self.N, device=self.perm.device)
+            )
+        return self._erow
 
     def unsort(self, x_sorted: torch.Tensor) -> torch.Tensor:
         return torch.empty_like(x_sorted).index_copy_(0, self.perm, x_sorted)

@@ -19,7 +19,7 @@ from .host_peek import HostPeek
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
-from .kernels.common import inverse_permutation, slab_tiles, stats_blocks, tile_sizes
+from .kernels.common import compact_lists, inverse_permutation, slab_tiles, stats_blocks, tile_sizes
 from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, skipped_slogs, tile_means
@@ -143,16 +143,6 @@ def _chunk_rows(n_tiles: int, D: int, elem_bytes: int) -> int:
     return max(1024, min(by_tiles, _SPARSE_CHUNK_BYTES // max(1, D * elem_bytes)))
 
 
-def compact_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The set columns of each row of ``keep`` (bool [A, B]) compacted to the front of an int32
-    [A, B + 1] list (column B is a dump slot for the others), and their counts; no host sync."""
-    A, B = keep.shape
-    idx = torch.where(keep, keep.cumsum(1) - 1, B)
-    cols = torch.arange(B, dtype=torch.int32, device=keep.device).expand(A, B)
-    lst = torch.zeros((A, B + 1), dtype=torch.int32, device=keep.device).scatter_(1, idx, cols)
-    return lst, keep.sum(1, dtype=torch.int32)
-
-
 def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
     filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *,
@@ -161,7 +151,7 @@ def sparse_backward(
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
     slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
     first_order: bool = _T.first_order, host_gating: bool = _T.host_gating, u=None, delta=None,
-    entropy=None,
+    entropy=None, order=None, n_valid=None,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan);
     ``u``: an upstream gradient on the target logit (a log-probability output), else None;
@@ -194,6 +184,9 @@ def sparse_backward(
     time they would be issued (host_peek.py: never a wait); the gradients are the same bit for
     bit.
 
+    ``order`` and ``n_valid`` (the forward's, linear_ce_triton_fwd): the row and vocabulary
+    orders it made, read instead of made again; None or empty: made here.
+
     With ``delta`` the entropy's term eta p z is part of dZ (cce/_math.py): kept tiles and the
     target entries carry it exactly, a skipped tile j of row i through the coefficient
     a_ij = alpha_i + eta_i zbar_ij of its rank-1 correction, zbar_ij = lse_i + log(S_ij /
@@ -210,9 +203,18 @@ def sparse_backward(
     alpha, beta, gamma, eta, smooth = loss_coefficients(
         weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u, delta, entropy
     )
-    r = RowOrder(targets, rows, ignore_index)
+    tp = None
+    if order is not None and order.numel() > 0:
+        # (the forward's: the sorted rows' targets, their sorted positions, each class's)
+        n = targets.numel()
+        r = RowOrder.from_order(order[:n], n_valid, rows)
+        t_s, tp, vpos = order[n : 2 * n], order[2 * n : 3 * n], order[3 * n :]
+    else:
+        r = RowOrder(targets, rows, ignore_index)
+        t_s = r.safe_t.index_select(0, r.perm)
+        vpos = inverse_permutation(vperm.long())
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
-    alpha_s, beta_s, lse_s, t_s = srt(alpha.float()), srt(beta.float()), srt(lse), srt(r.safe_t)
+    alpha_s, beta_s, lse_s = srt(alpha.float()), srt(beta.float()), srt(lse)
     eta_s = None if eta is None else srt(eta.float())
     N = r.N
     BN, BV = stats_blocks(e2d.dtype)
@@ -243,9 +245,8 @@ def sparse_backward(
     dense = live = fo = cm = decided = None
     dc_rule = need_dc and slab_error_dc < 1
     # Read by several of the step's parts, made once (host time of a step at small N or on one
-    # rank's block, docs/benchmarks.md): each class's sorted position, the mean-row spread of
-    # the dC corrections, and the tiles' skipped masses summed over the rows.
-    vpos = inverse_permutation(vperm.long())
+    # rank's block, docs/benchmarks.md): each class's sorted position (vpos, above), the
+    # mean-row spread of the dC corrections, and the tiles' skipped masses summed over the rows.
     q = mean_row_spread(vscore, nt, BV) if need_dc else None
     masses = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1 or dc_rule):
@@ -293,7 +294,7 @@ def sparse_backward(
     if need_dc:
         dc_in, srow = _dc_inputs(
             e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV, live, cm is not None, eta_s,
-            slog, lse_s,
+            slog, lse_s, tp,
         )  # fmt: skip
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
@@ -365,7 +366,7 @@ def _first_order_dc(fo: FirstOrder, e2d, erow_s, srow, masses, live, vpos, BV: i
 
 def _dc_inputs(
     e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV: int, live=None, want_srow=False,
-    eta_s=None, slog=None, lse_s=None,
+    eta_s=None, slog=None, lse_s=None, tp=None,
 ):  # fmt: skip
     """((list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge), srow): the dC writer's inputs, see
     kernels.backward_sparse.SparsePlan. ``valid_s``: the sorted rows below n_valid; ``vpos``: each
@@ -373,7 +374,7 @@ def _dc_inputs(
     (slab_choice.mean_row_spread). With ``eta_s`` a skipped
     tile's mass carries the entropy's coefficient alpha_i + eta_i zbar_ij, as in dE: ``slog``
     [N, n_tiles] holds S_ij (zbar_ij - lse_i + log BV) (tile_stats.skipped_slogs) and ``lse_s``
-    the rows' lse.
+    the rows' lse; ``tp`` each sorted row's target's sorted position (None: from vpos).
 
     ``live`` (bool [n_tiles] or None): the tiles outside dense slabs, the only ones whose codes
     count. Built in this function so that nothing but the plan holds them (the launcher releases them
@@ -385,7 +386,7 @@ def _dc_inputs(
     N, nt = code.shape
     V, D = vpos.numel(), e2d.shape[1]
     dev, f32 = e2d.device, torch.float32
-    list_c, cnt_c = compact_lists(keep.T.contiguous())
+    list_c, cnt_c = compact_lists(keep.T)
     # G_j = sum_i a_ij S_ij e_i over the rows whose tile j is skipped (a_ij = alpha_i without eta).
     G = srow = None
     if want_srow:
@@ -414,7 +415,8 @@ def _dc_inputs(
     if G is None:  # (no rows)
         G = torch.zeros(nt, D, dtype=f32, device=dev)
     q = q.reshape(-1)[:V]  # (the dC writer spreads uniformly instead where fo's flag is set)
-    tp = vpos.index_select(0, t_s)
+    if tp is None:  # (each sorted row's target's sorted position, where the caller has none)
+        tp = vpos.index_select(0, t_s)
     tile_t = torch.where(valid_s, tp // BV, nt)
     tile_o, order = torch.sort(tile_t, stable=True)
     trow = r.erow_s.index_select(0, order)

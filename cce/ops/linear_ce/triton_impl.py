@@ -23,7 +23,7 @@ from ... import _math
 from ..._custom_ops import define_op, register_autograd, register_fake
 from ..._dispatch import fused_fits, fused_one_chunk, linear_backward
 from ...options import Tuning
-from .kernels.common import stats_blocks
+from .kernels.common import inverse_permutation, stats_blocks
 from .kernels.forward import linear_ce_forward
 from .kernels.fused_grads import linear_ce_fused, scale_
 from .kernels.stash import code_fits_stash, stash_code
@@ -64,7 +64,7 @@ class FwdArgs(NamedTuple):
     argmax: bool  # the argmax output
 
 
-_FWD_OUT = tuple[(torch.Tensor,) * 11]
+_FWD_OUT = tuple[(torch.Tensor,) * 13]
 
 
 def _stats_tiles(V: int, dtype: torch.dtype) -> int:
@@ -73,7 +73,8 @@ def _stats_tiles(V: int, dtype: torch.dtype) -> int:
 
 @define_op("cce::linear_ce_triton_fwd", FwdArgs, _FWD_OUT)
 def linear_ce_triton_fwd(a: FwdArgs):
-    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash, tgt, entropy, argmax); lse, tgt (each
+    """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash, tgt, entropy, argmax, order,
+    n_valid); lse, tgt (each
     row's target logit) and entropy are fp32 (N,), 0 at ignored rows; argmax int64 (N,), 0 at
     ignored rows; entropy and argmax are empty where not asked for.
 
@@ -83,19 +84,27 @@ def linear_ce_triton_fwd(a: FwdArgs):
     empty. The raw statistics (3 bytes per row and tile) are freed here, before the backward
     allocates the gradients. With ``stash`` the last output is the uninitialised buffer the
     backward writes dE into (e2d's shape, the kernels' dtype), and the codes live in its tail
-    when they fit (stash.code_fits_stash; ``code`` is then empty).
+    when they fit (stash.code_fits_stash; ``code`` is then empty). With ``stats`` also the
+    orders the backward reads (``order`` int64 [3N + V]: the valid-first row order, the sorted
+    rows' targets, their positions in the vocabulary order and each class's position; the
+    valid rows' count ``n_valid`` int32 [1]); otherwise empty.
     """
     e2d, c, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
     V = c.shape[0]
     k = _math.LossConsts(a.label_smoothing, a.z_loss, V)
     r = RowOrder(a.targets, a.rows, a.ignore_index)
-    perm = score = None
+    perm = score = tpos = order = None
+    t_s = r.safe_t.index_select(0, r.perm)
     if a.stats:
         perm, score = vocab_scores(e2d, c, bias, r)
-    t_s = r.safe_t.index_select(0, r.perm)
+        vpos = inverse_permutation(perm)
+        tpos = vpos.index_select(0, t_s)
+        # The orders for the backward, which would otherwise make them again (a sort and a pass
+        # over the targets: host time of a step, docs/benchmarks.md, issue 16).
+        order = torch.cat([r.perm, t_s, tpos, vpos])
     st = linear_ce_forward(
         e2d, c, bias, weight, r.erow_s, t_s, r.n_valid, a.softcap, k.smoothing, perm=perm, eps=a.filter_eps,
-        temperature=a.temperature, entropy=a.entropy, argmax=a.argmax,
+        temperature=a.temperature, entropy=a.entropy, argmax=a.argmax, tpos=tpos,
     )  # fmt: skip
     lse, tgt = r.unsort(st.lse), r.unsort(st.tgt)
     f32 = torch.float32
@@ -125,9 +134,9 @@ def linear_ce_triton_fwd(a: FwdArgs):
         none = e2d.new_empty(0, dtype=torch.float32)
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
-            e2d.new_empty(0), tgt, ent, amax,
+            e2d.new_empty(0), tgt, ent, amax, none.long(), none.int(),
         )  # fmt: skip
-    return loss, lse, code, keep, zt_s, perm.int(), score, buf, tgt, ent, amax
+    return loss, lse, code, keep, zt_s, perm.int(), score, buf, tgt, ent, amax, order, r.n_valid
 
 
 def _fwd_fake(a: FwdArgs):
@@ -144,6 +153,7 @@ def _fwd_fake(a: FwdArgs):
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
             e2d.new_empty(0, dtype=kdt), e2d.new_empty((N,), dtype=f32), ent, amax,
+            e2d.new_empty(0, dtype=torch.long), e2d.new_empty(0, dtype=torch.int32),
         )  # fmt: skip
     BN = stats_blocks(kdt)[0]
     nt = _stats_tiles(V, kdt)
@@ -153,6 +163,7 @@ def _fwd_fake(a: FwdArgs):
         e2d.new_empty((-(-N // BN), nt), dtype=torch.int8), e2d.new_empty((N,), dtype=f32),
         e2d.new_empty((V,), dtype=torch.int32), e2d.new_empty((V,), dtype=f32),
         e2d.new_empty(e2d.shape if a.stash else (0,), dtype=kdt), e2d.new_empty((N,), dtype=f32), ent, amax,
+        e2d.new_empty((3 * N + V,), dtype=torch.long), e2d.new_empty((1,), dtype=torch.int32),
     )  # fmt: skip
 
 
@@ -251,6 +262,8 @@ class SparseBwdArgs(NamedTuple):
     u: torch.Tensor | None  # [N] upstream gradient of the target logit output
     delta: torch.Tensor | None  # [N] upstream gradient of the entropy output
     entropy: torch.Tensor | None  # [N] fp32 the entropy's forward values (with delta)
+    order: torch.Tensor | None  # the forward's orders and valid rows' count (None: made again)
+    n_valid: torch.Tensor | None
 
 
 @define_op(
@@ -272,7 +285,7 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
         dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, host_gating=a.host_gating, u=a.u,
-        delta=a.delta, entropy=a.entropy,
+        delta=a.delta, entropy=a.entropy, order=a.order, n_valid=a.n_valid,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -292,22 +305,26 @@ register_fake(linear_ce_triton_bwd_sparse, _sparse_fake)
 
 
 def _setup_context(ctx, a: FwdArgs, output) -> None:
-    _loss, lse, code, keep, zt, vperm, vscore, stash, _tgt, ent, amax = output
-    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash, amax)
+    _loss, lse, code, keep, zt, vperm, vscore, stash, _tgt, ent, amax, order, n_valid = output
+    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash, amax, order, n_valid)
     # Unused incoming gradients stay None: materialised, the statistics' would be zero-filled
     # [N, V / 256] tensors alive through the backward.
     ctx.set_materialize_grads(False)
     ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
     ctx.save_for_backward(
-        a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, code, keep, zt, vperm, vscore, stash, ent
-    )
+        a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, code, keep, zt, vperm, vscore, stash, ent,
+        order, n_valid,
+    )  # fmt: skip
 
 
 def _backward(
-    ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, _g_stash, g_tgt, g_ent, _g_amax
+    ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, _g_stash, g_tgt, g_ent, _g_amax,
+    _g_order, _g_nvalid,
 ):  # fmt: skip
     a: FwdArgs = ctx.args
-    e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash, ent = ctx.saved_tensors
+    (
+        e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash, ent, order, n_valid,
+    ) = ctx.saved_tensors  # fmt: skip
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
     nothing = (None,) * (len(FwdArgs._fields) - 3)
@@ -328,7 +345,7 @@ def _backward(
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
             a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, a.host_gating, g_tgt, g_ent,
-            ent if g_ent is not None else None,
+            ent if g_ent is not None else None, order, n_valid,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
             # dE was written into the forward's stash (a second backward through this graph

@@ -325,3 +325,40 @@ def test_dispatch_by_size():
     assert linear_backward(Tuning(backward="sparse"), *args, small, True) == "sparse"
     assert linear_backward(Tuning(sparse_min_flops=0), *args, small, True) == "sparse"
     assert linear_backward(Tuning(sparse_min_flops=1e30), *args, 1e20, False) == "exact"
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("smoothing", [False, True])
+def test_merge_splits_matches_the_torch_merge(parts, smoothing):
+    """forward.merge_splits against the splits' merge written in torch: rows no split wrote
+    (m = -inf, S = 0), parts that never saw a row, a non-finite head lse; N not a multiple of
+    the kernel's block. Equal to fp32 rounding (the sums over parts may associate differently)."""
+    from cce.ops.linear_ce.kernels.forward import merge_splits
+
+    N = 1500
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    Mx = torch.randn(parts, N, device=dev) * 5
+    Se = torch.rand(parts, N, device=dev) * 3 + 0.5
+    unseen = torch.rand(parts, N, device=dev) < 0.3
+    Mx[unseen], Se[unseen] = float("-inf"), 0.0
+    Mx[:, :7], Se[:, :7] = float("-inf"), 0.0  # never written
+    Ss = torch.randn(parts, N, device=dev) if smoothing else None
+    zt = torch.randn(N, device=dev)
+    m0 = torch.randn(N, device=dev)
+    m0[3], m0[11], m0[-1] = float("-inf"), float("nan"), float("inf")
+    lse, tl_, ss, m0o = merge_splits(Mx, Se, Ss, zt, m0)
+
+    M = Mx.max(0).values
+    done = torch.isfinite(M)
+    Mz = torch.where(done, M, 0.0)
+    S = (Se * torch.exp(Mx - Mz)).sum(0)
+    ref = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
+    torch.testing.assert_close(lse, ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(tl_, torch.where(done, zt, 0.0))
+    assert torch.equal(m0o, torch.where(torch.isfinite(m0), m0, 0.0))
+    assert (lse[:7] == 0).all()
+    if smoothing:
+        torch.testing.assert_close(ss, torch.where(done, Ss.sum(0), 0.0), rtol=1e-6, atol=1e-6)
+    else:
+        assert ss is None
+    assert merge_splits(Mx, Se, Ss, zt, None)[3] is None

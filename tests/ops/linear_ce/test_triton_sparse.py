@@ -601,3 +601,50 @@ def test_split_dot_only_where_bf16_products_are_right(monkeypatch):
         assert common.split_dot(torch.device("cuda", 0)) is want
     monkeypatch.setattr(common, "interpreting", lambda: True)
     assert common.split_dot(torch.device("cuda", 0)) is False
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_backward_reads_the_forwards_orders(shift):
+    """The sparse backward given the forward's orders (``order``, ``n_valid``) gives the gradients
+    it gives when it makes them again, bit for bit; with ignored rows, and with ``rows`` (the
+    causal shift's) so that the sorted rows' e2d rows come from both; dense slabs on."""
+    N, D, V = 48, 40, 700
+    e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=5)
+    t[::7] = -100
+    rows = None
+    if shift:  # problem row i reads e2d row rows[i] (two sequences of 25 positions, last dropped)
+        e = torch.cat([e, e[:2] * 0.5])
+        rows = torch.arange(N + 2).view(2, 25)[:, :-1].reshape(-1)
+    eps = 2e-3
+    out = _fwd(e, c, None, rows, t, "mean", 0.0, 0.0, 0.0, eps)
+    order, n_valid = out[11], out[12]
+    assert order.shape == (3 * N + V,) and int(n_valid) == int((t != -100).sum())
+    g = torch.rand(N)
+    args = (e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8])
+    kw = dict(dense_slabs=True, slab_error=0.05, dense_kept=0.5)
+    dE, dC = sparse_backward(*args, **kw)
+    dE2, dC2 = sparse_backward(*args, **kw, order=order, n_valid=n_valid)
+    assert torch.equal(dE, dE2) and torch.equal(dC, dC2)
+
+
+@pytest.mark.parametrize(
+    "A,B,transposed", [(0, 5, False), (1, 1, False), (7, 33, False), (9, 130, True), (3, 16400, False)]
+)
+def test_compact_lists(A, B, transposed):
+    """common.compact_lists against its definition: each row's set columns in order, zeros after
+    (the dump slot included), and the counts; a transposed (strided) input; all-set and empty
+    rows; past COMPACT_MAX_COLS columns (the torch form)."""
+    from cce.ops.linear_ce.kernels.common import compact_lists
+
+    keep = torch.rand(B, A).T if transposed else torch.rand(A, B)
+    keep = keep < 0.3
+    if A > 2:
+        keep[1] = True
+        keep[2] = False
+    lst, cnt = compact_lists(keep)
+    assert lst.shape == (A, B + 1) and lst.dtype == cnt.dtype == torch.int32
+    for a in range(A):
+        cols = keep[a].nonzero().flatten()
+        assert int(cnt[a]) == cols.numel()
+        assert torch.equal(lst[a, : cols.numel()].long(), cols)
+        assert (lst[a, cols.numel() :] == 0).all()

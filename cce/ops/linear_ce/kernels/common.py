@@ -108,6 +108,55 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     )
 
 
+# Row a of a 0/1 matrix K [A, B] compacted: List[a, i] = the column of its i-th set entry for
+# i < Cnt[a], 0 for Cnt[a] <= i <= B (List [A, B + 1]; the last column is where the torch form
+# of this, a scatter, dumped the unset entries). The set entries' slots (cumsum - 1) and the
+# zeroed tail are disjoint, so the two stores of a program never meet. One launch for what
+# took six torch ops and a transposed copy (host time of a step: docs/benchmarks.md, issue 16).
+@cached_launch
+@triton.jit
+def _compact_kernel(K, List, Cnt, B, stride_a, stride_b, BLOCK_B: tl.constexpr):
+    a = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_B)
+    k = tl.load(K + a.to(tl.int64) * stride_a + offs * stride_b, mask=offs < B, other=0) != 0  # [BLOCK_B]
+    ki = k.to(tl.int32)
+    slot = tl.cumsum(ki, axis=0) - 1
+    cnt = tl.sum(ki, axis=0)
+    row = List + a.to(tl.int64) * (B + 1)
+    tl.store(row + slot, offs.to(tl.int32), mask=k)
+    tl.store(row + offs, tl.zeros([BLOCK_B], tl.int32), mask=(offs >= cnt) & (offs <= B))
+    tl.store(Cnt + a, cnt)
+
+
+# Columns past which compact_lists takes torch ops (one program holds a row).
+COMPACT_MAX_COLS = 1 << 14
+
+
+def compact_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(List int32 [A, B + 1], Cnt int32 [A]): the set columns of each row of ``keep`` (bool
+    [A, B], any strides) compacted to the front of its list, zeros after (the comment above
+    _compact_kernel), and their counts; no host sync. One launch (up to COMPACT_MAX_COLS
+    columns; past it torch ops)."""
+    A, B = keep.shape
+    dev = keep.device
+    if B + 1 > COMPACT_MAX_COLS:
+        idx = torch.where(keep, keep.cumsum(1) - 1, B)
+        cols = torch.arange(B, dtype=torch.int32, device=dev).expand(A, B)
+        lst = torch.zeros((A, B + 1), dtype=torch.int32, device=dev).scatter_(1, idx, cols)
+        lst[:, B] = 0  # (the dump slot)
+        return lst, keep.sum(1, dtype=torch.int32)
+    lst = torch.empty((A, B + 1), dtype=torch.int32, device=dev)
+    cnt = torch.empty(A, dtype=torch.int32, device=dev)
+    if A > 0:
+        k8 = keep.view(torch.uint8) if keep.dtype == torch.bool else keep
+        with device_context(dev):
+            _compact_kernel[(A,)](
+                K=k8, List=lst, Cnt=cnt, B=B, stride_a=k8.stride(0), stride_b=k8.stride(1),
+                BLOCK_B=max(16, triton.next_power_of_2(B + 1)),
+            )  # fmt: skip
+    return lst, cnt
+
+
 # ---------------------------------------------------------------------------------------------
 # Hopper tensor descriptors
 

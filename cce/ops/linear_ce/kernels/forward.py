@@ -1,8 +1,8 @@
 """The forward: per-row log-sum-exp, target logit and (label smoothing) weighted logit sum of
 the logits e2d[erow] @ c.T, by an online softmax over vocabulary tiles, never storing a logit.
 
-Grid: (token block, vocabulary split); the partial statistics of the splits are merged by O(N)
-torch ops (no locks). With a vocabulary order ``perm`` (training steps of the sparse backward)
+Grid: (token block, vocabulary split); the partial statistics of the splits are merged by one O(N)
+launch (no locks). With a vocabulary order ``perm`` (training steps of the sparse backward)
 it also writes per (row, tile) statistics, from which tile_stats.py derives what the sparse
 backward keeps; docs/design.md states the maths and the error bound.
 
@@ -265,6 +265,67 @@ def _fwd_kernel(
         tl.store(Ix + out, amax, mask=row_mask)
 
 
+# The splits' partial statistics merged per row i (parts p = 0 .. P-1, rows of Mx / Se / Ss):
+#
+#   M_i = max_p Mx[p, i],  done_i = M_i finite (false for rows no split wrote: m = -inf, S = 0),
+#   lse_i = M_i + log sum_p Se[p, i] exp(Mx[p, i] - M_i)           (0 where not done),
+#   Tl_i = Zt_i, SsOut_i = sum_p Ss[p, i]                           (0 where not done),
+#   M0Out_i = M0_i where finite, else 0                             (the head tile's lse).
+#
+# Two passes over the parts (the max, then the rescaled sum), in one launch instead of about
+# fifteen torch ops (host time of a step: docs/benchmarks.md, issue 16). The parts are summed in
+# order p = 0, 1, ...; Se exp(-inf - M) = 0 for parts that never saw the row.
+@cached_launch
+@triton.heuristics({"HAS_SS": lambda a: a["Ss"] is not None, "HAS_M0": lambda a: a["M0"] is not None})
+@triton.jit
+def _merge_kernel(
+    Mx, Se, Ss, Zt, M0, Lse, Tl, SsOut, M0Out, N, parts, stride_part,
+    HAS_SS: tl.constexpr, HAS_M0: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    M = tl.full([BLOCK], float("-inf"), tl.float32)
+    for p in range(0, parts):
+        M = tl.maximum(M, tl.load(Mx + p * stride_part + offs, mask=mask, other=float("-inf")))
+    done = tl.abs(M) < float("inf")  # (false for -inf and NaN, as torch.isfinite)
+    Mz = tl.where(done, M, 0.0)
+    S = tl.zeros([BLOCK], tl.float32)
+    ss = tl.zeros([BLOCK], tl.float32)
+    for p in range(0, parts):
+        m = tl.load(Mx + p * stride_part + offs, mask=mask, other=float("-inf"))
+        S += tl.load(Se + p * stride_part + offs, mask=mask, other=0.0) * tl.exp(m - Mz)
+        if HAS_SS:
+            ss += tl.load(Ss + p * stride_part + offs, mask=mask, other=0.0)
+    tl.store(Lse + offs, tl.where(done, Mz + tl.log(tl.where(done, S, 1.0)), 0.0), mask=mask)
+    tl.store(Tl + offs, tl.where(done, tl.load(Zt + offs, mask=mask, other=0.0), 0.0), mask=mask)
+    if HAS_SS:
+        tl.store(SsOut + offs, tl.where(done, ss, 0.0), mask=mask)
+    if HAS_M0:
+        m0 = tl.load(M0 + offs, mask=mask, other=0.0)
+        tl.store(M0Out + offs, tl.where(tl.abs(m0) < float("inf"), m0, 0.0), mask=mask)
+
+
+def merge_splits(
+    Mx: torch.Tensor, Se: torch.Tensor, Ss: torch.Tensor | None, zt: torch.Tensor, m0: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(lse, target logit, weighted logit sum or None, m0 or None), fp32 [N], from the splits'
+    partials Mx / Se / Ss [parts, N] (the comment above _merge_kernel); one launch."""
+    P, N = Mx.shape
+    f32 = torch.float32
+    lse = torch.empty(N, dtype=f32, device=Mx.device)
+    tl_ = torch.empty(N, dtype=f32, device=Mx.device)
+    ss = None if Ss is None else torch.empty(N, dtype=f32, device=Mx.device)
+    m0o = None if m0 is None else torch.empty(N, dtype=f32, device=Mx.device)
+    if N > 0:
+        BLOCK = 1024
+        with device_context(Mx.device):
+            _merge_kernel[(triton.cdiv(N, BLOCK),)](
+                Mx=Mx, Se=Se, Ss=Ss, Zt=zt, M0=m0, Lse=lse, Tl=tl_, SsOut=ss, M0Out=m0o, N=N, parts=P,
+                stride_part=Mx.stride(0), BLOCK=BLOCK,
+            )  # fmt: skip
+    return lse, tl_, ss, m0o
+
+
 @dataclass
 class FwdStats:
     """Per sorted row (first n_valid rows meaningful; the others are 0): lse, target logit, ssum.
@@ -335,11 +396,12 @@ def linear_ce_forward(
     temperature: float = 1.0,
     entropy: bool = False,
     argmax: bool = False,
+    tpos: torch.Tensor | None = None,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
     ``tgt`` are the sorted rows' targets (any value for ignored rows). Partials of the vocabulary
-    splits are merged here in O(N * splits) torch ops, no locks.
+    splits are merged here by one O(N * splits) launch (merge_splits), no locks.
 
     ``perm`` (vocabulary ids in walking order, most probable classes first) and ``eps`` (the
     filter threshold) turn on the tile statistics: one launch over the first (head) tile gives
@@ -350,6 +412,9 @@ def linear_ce_forward(
     by tensor descriptors: the rows ``e2d[erow]`` are gathered once into an [N, D] buffer, and a
     sorted vocabulary is walked in slabs (fwd_slab_tiles: at most FWD_SLAB_BYTES and about half of
     c by default, else ``slab_bytes``) whose rows are gathered into a buffer first.
+
+    ``tpos`` (with ``perm``): each sorted row's target's position in ``perm``, where the caller
+    has it (else computed here).
 
     ``temperature`` divides the logits after the softcap (target logits included); ``entropy``
     and ``argmax`` add those outputs. A temperature does not go with ``perm``.
@@ -390,11 +455,13 @@ def linear_ce_forward(
     parts = head + sum(split(max(lo, head), hi) for lo, hi in slabs if hi > max(lo, head))
 
     f32 = torch.float32
-    tpos = tgt
     if stats:
         if not eps > 0:
             raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
-        tpos = inverse_permutation(perm).index_select(0, tgt)
+        if tpos is None:
+            tpos = inverse_permutation(perm).index_select(0, tgt)
+    else:
+        tpos = tgt
     Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
     Se = torch.zeros((parts, N), dtype=f32, device=dev)
     Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else None
@@ -464,16 +531,13 @@ def linear_ce_forward(
             m0 = Mx[0] + torch.log(Se[0])
     # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
     # m = -inf, S = 0 everywhere and are zeroed through `done`.
-    M = Mx.max(0).values
-    done = torch.isfinite(M)
-    Mz = torch.where(done, M, 0.0)
-    S = (Se * torch.exp(Mx - Mz)).sum(0)
-    lse = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
-    tl_ = torch.where(done, zt, 0.0)
-    ss = torch.where(done, Ss.sum(0), 0.0) if Ss is not None else None
-    if m0 is not None:
-        m0 = torch.where(torch.isfinite(m0), m0, 0.0)
+    lse, tl_, ss, m0 = merge_splits(Mx, Se, Ss, zt, m0)
     ent = amax = None
+    if entropy or argmax:
+        M = Mx.max(0).values
+        done = torch.isfinite(M)
+        Mz = torch.where(done, M, 0.0)
+        S = (Se * torch.exp(Mx - Mz)).sum(0)
     if entropy:
         # H = log S - A / S with A = sum_s e^(m_s - M) (Hs_s + (m_s - M) Se_s) (the splits'
         # accumulators moved to the common max M; see _fwd_tile).
