@@ -3,8 +3,8 @@ cce function and of each Triton kernel's launches, per step.
 
 ``bench.host`` gives a step's whole host time (issued while the device sleeps) and its op and
 launch counts. This module splits the host time by function. Every function defined in ``cce``
-(as each cce module binds it), ``RowOrder.__init__``, ``HostPeek.__init__`` / ``get`` and the
-launch entries (cce's ``CachedLaunch.launch``, cce/ops/launch.py, and Triton's
+(as each cce module binds it), ``RowOrder.__init__`` and ``from_order``, ``HostPeek.__init__`` /
+``get`` and the launch entries (cce's ``CachedLaunch.launch``, cce/ops/launch.py, and Triton's
 ``JITFunction.run``; ``InterpretedFunction.run`` under TRITON_INTERPRET=1) are wrapped with
 timers for the duration of the measurement, then restored. A function's time is
 inclusive (its callees' time counts in it too) and taken at its outermost call only, so recursion
@@ -53,7 +53,7 @@ from cce.distributed import linear_cross_entropy_vocab_parallel
 from .data import SHAPES, make_inputs
 from .vp_emulate import one_rank_group, rank_step, rest_lse, shares
 
-_CLASS_METHODS = {"RowOrder": ("__init__",), "HostPeek": ("__init__", "get")}
+_CLASS_METHODS = {"RowOrder": ("__init__", "from_order"), "HostPeek": ("__init__", "get")}
 
 
 class Parts:
@@ -140,7 +140,11 @@ def timed_parts() -> Iterator[Parts]:
                 elif isinstance(val, type) and val.__module__.startswith("cce"):
                     for meth in _CLASS_METHODS.get(val.__name__, ()):
                         fn = val.__dict__.get(meth)
-                        if isinstance(fn, types.FunctionType) and id(fn) not in wrapped:
+                        if isinstance(fn, classmethod) and id(fn) not in wrapped:
+                            wrapped[id(fn)] = classmethod(parts.timer(f"{val.__name__}.{meth}", fn.__func__))
+                            undo.append((val, meth, fn))
+                            setattr(val, meth, wrapped[id(fn)])
+                        elif isinstance(fn, types.FunctionType) and id(fn) not in wrapped:
                             wrapped[id(fn)] = parts.timer(f"{val.__name__}.{meth}", fn)
                             undo.append((val, meth, fn))
                             setattr(val, meth, wrapped[id(fn)])

@@ -439,12 +439,13 @@ def test_host_parts_times_cce_functions_and_launches_then_restores():
     from bench.host_parts import _step, measure, timed_parts
     from cce.ops.linear_ce.rows import RowOrder
 
-    before = (fwd.linear_ce_forward, RowOrder.__init__)
+    before = (fwd.linear_ce_forward, RowOrder.__init__, RowOrder.__dict__["from_order"])
     step = _step("64x32x600", "zipf", "half", torch.device("cpu"))
     res = measure(step, steps=2, device=torch.device("cpu"), warmup=1)
     parts = res["parts"]
     assert parts["kernels.forward.linear_ce_forward"]["calls"] == 1  # once per step, outermost only
     assert parts["RowOrder.__init__"]["calls"] >= 1
+    assert parts["RowOrder.from_order"]["calls"] == 1  # the backward reads the forward's orders
     launches = parts["launch:ALL"]
     assert launches["calls"] >= 1
     assert launches["calls"] == sum(
@@ -452,7 +453,7 @@ def test_host_parts_times_cce_functions_and_launches_then_restores():
     )
     step_ms = res["host_ms"]["max"]
     assert all(0 <= p["ms"] <= step_ms for p in parts.values())
-    assert (fwd.linear_ce_forward, RowOrder.__init__) == before
+    assert (fwd.linear_ce_forward, RowOrder.__init__, RowOrder.__dict__["from_order"]) == before
     with timed_parts():
         assert fwd.linear_ce_forward is not before[0]
     assert fwd.linear_ce_forward is before[0]

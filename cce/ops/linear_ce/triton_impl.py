@@ -74,9 +74,8 @@ def _stats_tiles(V: int, dtype: torch.dtype) -> int:
 @define_op("cce::linear_ce_triton_fwd", FwdArgs, _FWD_OUT)
 def linear_ce_triton_fwd(a: FwdArgs):
     """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash, tgt, entropy, argmax, order,
-    n_valid); lse, tgt (each
-    row's target logit) and entropy are fp32 (N,), 0 at ignored rows; argmax int64 (N,), 0 at
-    ignored rows; entropy and argmax are empty where not asked for.
+    n_valid); lse, tgt (each row's target logit) and entropy are fp32 (N,), 0 at ignored rows;
+    argmax int64 (N,), 0 at ignored rows; entropy and argmax are empty where not asked for.
 
     With ``stats`` the next outputs are the encoded tile statistics (tile_stats.encode_tile_stats:
     uint8 masses per sorted row and tile, int8 keep flags per token block and tile), the sorted

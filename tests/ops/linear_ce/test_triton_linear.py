@@ -331,8 +331,9 @@ def test_dispatch_by_size():
 @pytest.mark.parametrize("smoothing", [False, True])
 def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     """forward.merge_splits against the splits' merge written in torch: rows no split wrote
-    (m = -inf, S = 0), parts that never saw a row, a non-finite head lse; N not a multiple of
-    the kernel's block. Equal to fp32 rounding (the sums over parts may associate differently)."""
+    (m = -inf, S = 0), parts that never saw a row, a NaN partial, a non-finite head lse; N not a
+    multiple of the kernel's block. Equal to fp32 rounding (the sums over parts may associate
+    differently)."""
     from cce.ops.linear_ce.kernels.forward import merge_splits
 
     N = 1500
@@ -342,6 +343,7 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     unseen = torch.rand(parts, N, device=dev) < 0.3
     Mx[unseen], Se[unseen] = float("-inf"), 0.0
     Mx[:, :7], Se[:, :7] = float("-inf"), 0.0  # never written
+    Mx[0, 20] = float("nan")  # a NaN in one part: not done, as torch's max propagates it
     Ss = torch.randn(parts, N, device=dev) if smoothing else None
     zt = torch.randn(N, device=dev)
     m0 = torch.randn(N, device=dev)
@@ -356,7 +358,7 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     torch.testing.assert_close(lse, ref, rtol=1e-6, atol=1e-6)
     assert torch.equal(tl_, torch.where(done, zt, 0.0))
     assert torch.equal(m0o, torch.where(torch.isfinite(m0), m0, 0.0))
-    assert (lse[:7] == 0).all()
+    assert (lse[:7] == 0).all() and lse[20] == 0 and tl_[20] == 0
     if smoothing:
         torch.testing.assert_close(ss, torch.where(done, Ss.sum(0), 0.0), rtol=1e-6, atol=1e-6)
     else:

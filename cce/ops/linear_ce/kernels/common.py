@@ -118,7 +118,7 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 def _compact_kernel(K, List, Cnt, B, stride_a, stride_b, BLOCK_B: tl.constexpr):
     a = tl.program_id(0)
     offs = tl.arange(0, BLOCK_B)
-    k = tl.load(K + a.to(tl.int64) * stride_a + offs * stride_b, mask=offs < B, other=0) != 0  # [BLOCK_B]
+    k = tl.load(K + a.to(tl.int64) * stride_a + offs.to(tl.int64) * stride_b, mask=offs < B, other=0) != 0
     ki = k.to(tl.int32)
     slot = tl.cumsum(ki, axis=0) - 1
     cnt = tl.sum(ki, axis=0)
@@ -128,15 +128,16 @@ def _compact_kernel(K, List, Cnt, B, stride_a, stride_b, BLOCK_B: tl.constexpr):
     tl.store(Cnt + a, cnt)
 
 
-# Columns past which compact_lists takes torch ops (one program holds a row).
+# Columns (the dump slot included) from which compact_lists takes torch ops (one program holds
+# a row).
 COMPACT_MAX_COLS = 1 << 14
 
 
 def compact_lists(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(List int32 [A, B + 1], Cnt int32 [A]): the set columns of each row of ``keep`` (bool
     [A, B], any strides) compacted to the front of its list, zeros after (the comment above
-    _compact_kernel), and their counts; no host sync. One launch (up to COMPACT_MAX_COLS
-    columns; past it torch ops)."""
+    _compact_kernel), and their counts; no host sync. One launch (below COMPACT_MAX_COLS
+    columns; from there on torch ops)."""
     A, B = keep.shape
     dev = keep.device
     if B + 1 > COMPACT_MAX_COLS:

@@ -267,7 +267,8 @@ def _fwd_kernel(
 
 # The splits' partial statistics merged per row i (parts p = 0 .. P-1, rows of Mx / Se / Ss):
 #
-#   M_i = max_p Mx[p, i],  done_i = M_i finite (false for rows no split wrote: m = -inf, S = 0),
+#   M_i = max_p Mx[p, i] (NaN if any is),  done_i = M_i finite (false for rows no split wrote:
+#         m = -inf, S = 0),
 #   lse_i = M_i + log sum_p Se[p, i] exp(Mx[p, i] - M_i)           (0 where not done),
 #   Tl_i = Zt_i, SsOut_i = sum_p Ss[p, i]                           (0 where not done),
 #   M0Out_i = M0_i where finite, else 0                             (the head tile's lse).
@@ -284,18 +285,28 @@ def _merge_kernel(
 ):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
+    # (The parts are walked by moving pointers, whose arithmetic is 64-bit: parts x N may pass
+    # 2^31.)
     M = tl.full([BLOCK], float("-inf"), tl.float32)
-    for p in range(0, parts):
-        M = tl.maximum(M, tl.load(Mx + p * stride_part + offs, mask=mask, other=float("-inf")))
+    pm = Mx + offs
+    for _ in range(0, parts):
+        # (NaN propagates, as in torch's max: such a row is not done and reads 0, as before)
+        M = tl.maximum(M, tl.load(pm, mask=mask, other=float("-inf")), propagate_nan=tl.PropagateNan.ALL)
+        pm += stride_part
     done = tl.abs(M) < float("inf")  # (false for -inf and NaN, as torch.isfinite)
     Mz = tl.where(done, M, 0.0)
     S = tl.zeros([BLOCK], tl.float32)
     ss = tl.zeros([BLOCK], tl.float32)
-    for p in range(0, parts):
-        m = tl.load(Mx + p * stride_part + offs, mask=mask, other=float("-inf"))
-        S += tl.load(Se + p * stride_part + offs, mask=mask, other=0.0) * tl.exp(m - Mz)
+    pm, ps = Mx + offs, Se + offs
+    if HAS_SS:
+        pss = Ss + offs
+    for _ in range(0, parts):
+        S += tl.load(ps, mask=mask, other=0.0) * tl.exp(tl.load(pm, mask=mask, other=float("-inf")) - Mz)
+        pm += stride_part
+        ps += stride_part
         if HAS_SS:
-            ss += tl.load(Ss + p * stride_part + offs, mask=mask, other=0.0)
+            ss += tl.load(pss, mask=mask, other=0.0)
+            pss += stride_part
     tl.store(Lse + offs, tl.where(done, Mz + tl.log(tl.where(done, S, 1.0)), 0.0), mask=mask)
     tl.store(Tl + offs, tl.where(done, tl.load(Zt + offs, mask=mask, other=0.0), 0.0), mask=mask)
     if HAS_SS:
