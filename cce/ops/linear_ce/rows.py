@@ -52,12 +52,8 @@ class RowOrder:
         self.safe_t = torch.where(self.valid, targets, 0)
         # Stable partition (valid rows keep their relative order, then the ignored ones in
         # theirs): a stable sort of the one-bit key "ignored", one op for the host.
-        self.perm = torch.sort(~self.valid, stable=True).indices
-        self.n_valid = self.valid.sum(dtype=torch.int32).reshape(1)
-        self.identity = rows is None  # problem row i is e2d row i
-        self._rows = rows
-        self._erow = None
-        self.erow_s = self.perm if rows is None else rows.index_select(0, self.perm).contiguous()
+        perm = torch.sort(~self.valid, stable=True).indices
+        self._set_order(perm, self.valid.sum(dtype=torch.int32).reshape(1), rows)
 
     @classmethod
     def from_order(cls, perm: torch.Tensor, n_valid: torch.Tensor, rows: torch.Tensor | None) -> RowOrder:
@@ -67,12 +63,15 @@ class RowOrder:
         self = cls.__new__(cls)
         self.N = perm.numel()
         self.valid = self.safe_t = None
+        self._set_order(perm, n_valid, rows)
+        return self
+
+    def _set_order(self, perm: torch.Tensor, n_valid: torch.Tensor, rows: torch.Tensor | None) -> None:
         self.perm, self.n_valid = perm, n_valid
-        self.identity = rows is None
+        self.identity = rows is None  # problem row i is e2d row i
         self._rows = rows
         self._erow = None
         self.erow_s = perm if rows is None else rows.index_select(0, perm).contiguous()
-        return self
 
     @property
     def erow(self) -> torch.Tensor:
