@@ -58,7 +58,7 @@ def captured_call() -> Iterator[dict]:
             for f in _PLAN_TENSORS:
                 v = getattr(plan, f)
                 setattr(plan, f, None if v is None else v.clone())
-            plan.fo = None  # (the first-order terms: not the writer's part)
+            plan.fo = plan.fo_pending = None  # (the first-order terms: not the writer's part)
             seen["args"], seen["kwargs"], seen["orig"] = list(args), dict(kwargs), orig
             seen["args"][PLAN_ARG] = plan
         return orig(*args, **kwargs)

@@ -9,6 +9,7 @@ cce/ops/linear_ce/local.py.) docs/design.md has the error bounds.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -307,21 +308,26 @@ def sparse_backward(
     )
     del slot
     n_kept = kflat.sum(dtype=torch.int32).reshape(1)
+    fo_pending = None
     if cm is not None:
         # (After the host work above, so that the device's flag has had time to reach the host:
         # where it says 0 the terms' operands and gated launches are left out, as the flag would
-        # make them no-ops.)
+        # make them no-ops. Where it has not arrived, the operands are built after the dC writer's
+        # launch, where it has had longer: KS.PendingFirstOrder.)
         seen = decided.get()
-        if seen is None or int(seen[1][0]) != 0:
-            fo = first_order_terms(c, cm, vperm, flag, BV)
-            if need_dc:
-                _first_order_dc(fo, e2d, r.erow_s, srow, masses, live, vpos, BV)
-        del srow
+        dc_args = (e2d, r.erow_s, srow, masses, live, vpos) if need_dc else None
+        if seen is None:
+            fo_pending = KS.PendingFirstOrder(
+                flag, functools.partial(_first_order, c, cm, vperm, flag, BV, dc_args)
+            )
+        elif int(seen[1][0]) != 0:
+            fo = _first_order(c, cm, vperm, flag, BV, dc_args)
+        del srow, dc_args
     list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
     del dc_in
     plan = KS.SparsePlan(
         keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
-        ge, gidx.view(keep.shape), klist, n_kept, fo, slog,
+        ge, gidx.view(keep.shape), klist, n_kept, fo, fo_pending, slog,
     )  # fmt: skip
     del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
     dz_bound = None
@@ -349,6 +355,15 @@ def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
     g = gram(cm, flag, w=cnt, scale=-1.0 / V, out=gram(c, flag, scale=1.0 / V))
     gn, gs = normalized(g, c.dtype)
     return FirstOrder(flag, gn, gs, cm)
+
+
+def _first_order(c, cm, vperm, flag, BV: int, dc_args: tuple | None) -> FirstOrder:
+    """first_order_terms, with their dC operands (_first_order_dc of ``dc_args``: e2d, erow_s,
+    srow, masses, live, vpos) where dC is wanted."""
+    fo = first_order_terms(c, cm, vperm, flag, BV)
+    if dc_args is not None:
+        _first_order_dc(fo, *dc_args, BV)
+    return fo
 
 
 def _first_order_dc(fo: FirstOrder, e2d, erow_s, srow, masses, live, vpos, BV: int) -> None:
@@ -417,11 +432,14 @@ def _dc_inputs(
     q = q.reshape(-1)[:V]  # (the dC writer spreads uniformly instead where fo's flag is set)
     if tp is None:  # (each sorted row's target's sorted position, where the caller has none)
         tp = vpos.index_select(0, t_s)
-    tile_t = torch.where(valid_s, tp // BV, nt)
+    # The sort's keys in the narrowest integer type that holds the tile ids (a radix sort's
+    # passes, and their launches, go with the key's bytes: 2 for int16 against 8 for int64).
+    key = torch.int16 if nt < 2**15 else torch.int32
+    tile_t = torch.where(valid_s, tp // BV, nt).to(key)
     tile_o, order = torch.sort(tile_t, stable=True)
     trow = r.erow_s.index_select(0, order)
     tpos = tp.index_select(0, order).to(torch.int32)
     tcoef = coef.index_select(0, order)
-    seg = torch.searchsorted(tile_o, torch.arange(nt + 1, device=dev))
+    seg = torch.searchsorted(tile_o, torch.arange(nt + 1, dtype=key, device=dev))
     ge = None if gamma is None else weighted_rows(gamma, e2d, r.erow)
     return (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge), srow

@@ -156,6 +156,37 @@ def test_gating_leaves_out_what_the_device_turned_off(slab_calls):
     assert slab_calls["calls"] == [] and slab_calls["dc_fo"] == 0 and slab_calls["fo_terms"] == 0
 
 
+@pytest.mark.parametrize("case", ["on", "off"])
+def test_first_order_flag_arriving_after_the_plan(case, slab_calls, monkeypatch):
+    """The first-order flag reaches the host only after the plan is made (the decisions' first
+    read finds nothing, the next one finds them, as on a GPU whose host is ahead): the terms'
+    operands are built after the dC writer's launch where the flag is set (near-uniform rows,
+    test_first_order.py's case of the terms on), left out where it is 0 (zipf rows), and the
+    gradients are those of the flag arriving in time, to the bit."""
+    if case == "on":
+        (e, c, t), eps, rule = near_uniform_inputs(64, 32, 3000, std=0.2), 2.0**-8, {}
+    else:
+        (e, c, t), eps = _inputs("zipf")
+        rule = CASES["none"]["rule"]
+    built = int(case == "on")
+    tu = Tuning(backward="sparse", dense_slabs=True, host_gating=True, **rule)
+    in_time = _run(e, c, t, tu, eps)
+    assert slab_calls["fo_terms"] == built  # (the flag each case's rule sets)
+    slab_calls["fo_terms"] = slab_calls["dc_fo"] = 0
+    get, reads = HostPeek.get, []
+
+    def late(self):
+        reads.append(self)
+        return None if reads.count(self) == 1 else get(self)
+
+    monkeypatch.setattr(HostPeek, "get", late)
+    got = _run(e, c, t, tu, eps)
+    assert len(reads) >= 2  # (read at the plan, and again after the dC writer's launch)
+    for a, b in zip(in_time, got, strict=True):
+        assert torch.equal(a, b)
+    assert slab_calls["fo_terms"] == built and slab_calls["dc_fo"] == built
+
+
 def test_peek_off_cuda_and_disabled():
     x, y = torch.tensor([0, 1, 0], dtype=torch.int8), torch.tensor([3], dtype=torch.int32)
     got = HostPeek(x, y).get()

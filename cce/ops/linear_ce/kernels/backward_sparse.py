@@ -13,8 +13,9 @@ docs/design.md states the error bound.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -456,8 +457,20 @@ class SparsePlan:
     klist: torch.Tensor  # [cap + 1] int32: flat index (block * n_tiles + tile) of kept tile k < cap
     n_kept: torch.Tensor  # [1] int32
     fo: FirstOrder | None = None  # the first-order terms (first_order.py), or None
+    fo_pending: PendingFirstOrder | None = None  # or, not built yet, their flag and builder
     # fp32 [N, n_tiles] with the entropy's term: common.skipped_slog of every skipped tile, or None
     slog: torch.Tensor | None = None
+
+
+class PendingFirstOrder(NamedTuple):
+    """The first-order terms where their flag had not reached the host when the plan was made:
+    ``flag`` (int32 [1], the device's; the dC writer reads it meanwhile) and ``build``, which
+    makes their operands (a FirstOrder). linear_ce_backward_sparse calls it after the dC writer's
+    launch unless the flag has reached the host as 0 by then (host time: the operands are a few
+    launches and D x D buffers, made for nothing where the flag is 0)."""
+
+    flag: torch.Tensor
+    build: Callable[[], FirstOrder]
 
 
 def sparse_config() -> tuple[int, int, int, int, int, int]:
@@ -600,13 +613,15 @@ def linear_ce_backward_sparse(
                 )  # fmt: skip
         if dC is None:
             dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
+        pending = plan.fo_pending
+        fo_flag = plan.fo.flag if plan.fo is not None else None if pending is None else pending.flag
         if V > 0:
             with ctx:
                 _sparse_dc_kernel[(n_vtiles, triton.cdiv(D, BDO_C))](
                     W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
                     TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
                     Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense,
-                    GFlag=None if plan.fo is None else plan.fo.flag, dC=dC,
+                    GFlag=fo_flag, dC=dC,
                     stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap,
                     tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
                     BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=2, **common,
@@ -615,6 +630,12 @@ def linear_ce_backward_sparse(
     de_acc = None
     # The device's decisions, where they have reached the host (else None: every gated launch).
     seen = None if decided is None else decided.get()
+    if plan.fo_pending is not None:
+        # (The flag has had the dC writer's issue time longer to arrive: where it reads 0, the
+        # operands are left out, as the flag makes their launches and terms no-ops.)
+        if seen is None or int(seen[1][0]) != 0:
+            plan.fo = plan.fo_pending.build()
+        plan.fo_pending = None
     fo = plan.fo
     if fo is not None and seen is not None and int(seen[1][0]) == 0:
         fo = None  # the first-order terms are off: their gated launches would be no-ops
