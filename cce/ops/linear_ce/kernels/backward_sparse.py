@@ -421,6 +421,17 @@ def _sparse_dc_kernel(
     )  # fmt: skip
 
 
+class PendingFirstOrder(NamedTuple):
+    """The first-order terms where their flag had not reached the host when the plan was made:
+    ``flag`` (int32 [1], the device's; the dC writer reads it meanwhile) and ``build``, which
+    makes their operands (a FirstOrder). linear_ce_backward_sparse calls it after the dC writer's
+    launch unless the flag has reached the host as 0 by then (host time: the operands are a few
+    launches and D x D buffers, made for nothing where the flag is 0)."""
+
+    flag: torch.Tensor
+    build: Callable[[], FirstOrder]
+
+
 @dataclass
 class SparsePlan:
     """Everything the sparse backward kernels read besides the problem tensors (triton_backward.py
@@ -460,17 +471,6 @@ class SparsePlan:
     fo_pending: PendingFirstOrder | None = None  # or, not built yet, their flag and builder
     # fp32 [N, n_tiles] with the entropy's term: common.skipped_slog of every skipped tile, or None
     slog: torch.Tensor | None = None
-
-
-class PendingFirstOrder(NamedTuple):
-    """The first-order terms where their flag had not reached the host when the plan was made:
-    ``flag`` (int32 [1], the device's; the dC writer reads it meanwhile) and ``build``, which
-    makes their operands (a FirstOrder). linear_ce_backward_sparse calls it after the dC writer's
-    launch unless the flag has reached the host as 0 by then (host time: the operands are a few
-    launches and D x D buffers, made for nothing where the flag is 0)."""
-
-    flag: torch.Tensor
-    build: Callable[[], FirstOrder]
 
 
 def sparse_config() -> tuple[int, int, int, int, int, int]:
