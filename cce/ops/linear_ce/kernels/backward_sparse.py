@@ -630,15 +630,17 @@ def linear_ce_backward_sparse(
     de_acc = None
     # The device's decisions, where they have reached the host (else None: every gated launch).
     seen = None if decided is None else decided.get()
+    # Whether the first-order terms' flag has reached the host as 0: their gated launches would
+    # be no-ops, and operands not built yet are left out (the flag has had the dC writer's issue
+    # time longer to arrive than at the plan).
+    fo_off = (
+        seen is not None and (plan.fo is not None or plan.fo_pending is not None) and int(seen[1][0]) == 0
+    )
     if plan.fo_pending is not None:
-        # (The flag has had the dC writer's issue time longer to arrive: where it reads 0, the
-        # operands are left out, as the flag makes their launches and terms no-ops.)
-        if seen is None or int(seen[1][0]) != 0:
+        if not fo_off:
             plan.fo = plan.fo_pending.build()
         plan.fo_pending = None
-    fo = plan.fo
-    if fo is not None and seen is not None and int(seen[1][0]) == 0:
-        fo = None  # the first-order terms are off: their gated launches would be no-ops
+    fo = None if fo_off else plan.fo
     if dense is not None:
         slabs = None if seen is None else [s for s, d in enumerate(seen[0].tolist()) if d]
         if slabs == []:
