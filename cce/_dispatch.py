@@ -125,7 +125,8 @@ def linear_backward(
     filtered call takes the fused path wherever it fits, at any size: a small vocabulary has few
     tiles to skip, and off zipf-like data the sparse backward's kept tiles and dense slabs cost
     more than the fused path's three passes, and its corrections' dC error on real text was
-    above 1e-2 (mistral-7b's head, N = 32768; docs/benchmarks.md, sessions 9 and 10).
+    above 1e-2 (mistral-7b's head, N = 32768; docs/benchmarks.md, "Which backward runs: the size
+    and vocabulary rules").
 
     A ``temperature`` other than 1 takes the exact (or fused) path: the filtered backwards'
     kernels and tile statistics take none. (An entropy output's gradient, known only in the

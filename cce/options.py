@@ -177,8 +177,8 @@ DEFAULT_TUNING = Tuning()
 # crossover of the exact and the filtered backward with its dense slabs (H100, bf16, zipf and
 # random data): the exact path was faster at every problem up to 2.2e12, the filtered one on
 # zipf data from 4.3e12 up (on near-uniform data the dense slabs cost 1.15-1.3x the exact path
-# at every size: they are there for the error bound); docs/benchmarks.md, "Dense slabs on by
-# default".
+# at every size before the first-order corrections: they are there for the error bound);
+# docs/benchmarks.md, "Which backward runs: the size and vocabulary rules".
 SPARSE_MIN_FLOPS_CUDA = 3e12
 
 # Tuning.sparse_min_classes on CUDA: 256 vocabulary tiles of the bf16 / fp16 statistics (256
@@ -186,7 +186,8 @@ SPARSE_MIN_FLOPS_CUDA = 3e12
 # faster one on random, untrained-model and real-text data (slower on zipf data only); from
 # V = 128256 (501 tiles) up the sparse backward was the faster one at N = 32768 in every regime.
 # Between the two nothing was measured: 256 is about their geometric midpoint. The figures, and
-# the rule's measured effect, are in docs/benchmarks.md (sessions 9 and 10).
+# the rule's measured effect, are in docs/benchmarks.md, "Which backward runs: the size and
+# vocabulary rules".
 SPARSE_MIN_CLASSES_CUDA = 65536
 
 

@@ -5,7 +5,7 @@ Triton's ``JITFunction.run`` binds and specializes every argument, builds its ca
 reads its knobs at every launch, and ``triton.heuristics`` rebuilds a dict of all arguments per
 heuristic. For an empty kernel of 34 arguments that measured 34-66 us of host time per launch
 on H100 hosts, of which the compiled kernel's own launcher takes 10-13 us; through this cache
-24 us on the faster host (docs/benchmarks.md, issue 16, session 24). A vocabulary-parallel
+24 us on the faster host (docs/benchmarks.md, "Host time"). A vocabulary-parallel
 rank's step and small steps are bound by the host, so the difference is their time.
 
 ``cached_launch`` wraps a kernel (a ``triton.jit`` function, under ``triton.heuristics`` or

@@ -1,5 +1,6 @@
-"""Per-token outputs under vocabulary parallelism (issue 18): the cases test_distributed.py's gloo
-groups run (a module of its own, imported by that file's workers; not collected by pytest).
+"""Per-token outputs under vocabulary parallelism (docs/api.md, "Per-token outputs"): the cases
+test_distributed.py's gloo groups run (a module of its own, imported by that file's workers; not
+collected by pytest).
 
 Each case compares the vocabulary-parallel call with the single-process call of the same impl on
 the whole classifier: the loss and every output (lse, log-probabilities, entropy, argmax,

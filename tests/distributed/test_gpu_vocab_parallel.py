@@ -111,7 +111,8 @@ OUTPUTS = dict(
 
 
 def _outputs_step(group, temperature: float):
-    """loss - 0.01 entropy.mean() + (u, logprobs), every output asked for (issue 18)."""
+    """loss - 0.01 entropy.mean() + (u, logprobs), every output asked for (docs/api.md,
+    "Per-token outputs")."""
 
     def step(e, c, t, **kw):
         out = tuned()(e, c, t, impl="triton", temperature=temperature, **OUTPUTS, **kw)

@@ -5,7 +5,7 @@ first-order terms apply (slab_choice.dense_slab_flags), and issues every launch 
 gate: a gated launch whose flag is 0 returns at once. Issuing them costs the host tens of
 microseconds each (a Triton launch) and their buffers are allocated for the worst case, which
 makes small steps, and one rank's block under vocabulary parallelism, bound by the host
-(docs/benchmarks.md, issue 16).
+(docs/benchmarks.md, "Host time").
 
 When the host is the slower side the device has long finished the decision by the time the host
 reaches the launches it gates. A HostPeek starts a copy of the decision into pinned host memory

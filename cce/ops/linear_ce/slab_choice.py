@@ -7,8 +7,8 @@ near-uniform ones, 0.3 or more on hidden states of a model trained on real text
 holds one error on all of them, so the error is measured: for a few sampled rows the exact
 non-target gradient of every skipped tile is formed and compared with its correction, per slab.
 The slabs whose corrections err the most are made dense until the sampled rows' remaining error
-is at most ``slab_error`` of their exact gradient (relative Frobenius norm, the error the issue
-states its target in). The same holds for dC (dc_error_terms): its error is a sum over all rows,
+is at most ``slab_error`` of their exact gradient (relative Frobenius norm, the measure of the
+accuracy target). The same holds for dC (dc_error_terms): its error is a sum over all rows,
 whose systematic part grows like N against the exact gradient's sqrt N, so it is estimated from
 the sampled rows' pairs (an unbiased U-statistic) against ||dC||^2 whose target part is computed
 exactly. Slabs where the filter keeps many tiles are dense as well: recomputing kept tiles one by

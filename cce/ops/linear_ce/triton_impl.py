@@ -99,7 +99,7 @@ def linear_ce_triton_fwd(a: FwdArgs):
         vpos = inverse_permutation(perm)
         tpos = vpos.index_select(0, t_s)
         # The orders for the backward, which would otherwise make them again (a sort and a pass
-        # over the targets: host time of a step, docs/benchmarks.md, issue 16).
+        # over the targets: host time of a step, docs/benchmarks.md, "Host time").
         order = torch.cat([r.perm, t_s, tpos, vpos])
     st = linear_ce_forward(
         e2d, c, bias, weight, r.erow_s, t_s, r.n_valid, a.softcap, k.smoothing, perm=perm, eps=a.filter_eps,

@@ -308,7 +308,7 @@ def test_error_rule_on_near_uniform_rows():
     """Near-uniform rows (random logits of std 0.5, the start of training): every tile is
     skipped by the filter (no probability reaches eps = 2^-8, bf16's default) and the rank-1
     corrections' error is large (their first-order term, of relative size about std / sqrt(D),
-    is missing); the default rules make enough slabs dense that dE and dC meet the issue's 5e-3
+    is missing); the default rules make enough slabs dense that dE and dC meet the 5e-3 target
     (the rule's target is 2.5e-3 on the sampled rows; twice that allows for the sampling)."""
     g = torch.Generator().manual_seed(3)
     N, D, V = 64, 32, 3000

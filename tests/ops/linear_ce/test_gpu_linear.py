@@ -3,7 +3,7 @@
 The reference is bench.reference.linear_reference: fp32 logits from the *same* bf16 /
 fp16 inputs (TF32 off), so the errors below are those of the kernels alone: bf16 rounding of the
 softmax-gradient tile before the gradient matmuls (2^-9 relative per element), the final cast of
-dE / dC to the input dtype (2^-9), and the filter. Targets from issue 3: loss rel <= 1e-5;
+dE / dC to the input dtype (2^-9), and the filter. Targets: loss rel <= 1e-5;
 dE, dC rel L2 <= 1e-2 with filter_eps="auto" on zipf data, <= 5e-3 with filter_eps=None.
 
 Random data with the filter (no target there): logits ~ N(0, 1) from e, c ~ N(0, D^-1/2) per
@@ -247,7 +247,7 @@ def test_training_step_memory_flat_in_n(dense_slabs):
 def test_first_order_on_near_uniform_rows():
     """Random logits of standard deviation 0.5 (a near-uniform softmax, as at the start of
     training), the filtered path forced at this size: the device turns the first-order
-    corrections on (no slab dense) and dE, dC meet issue 15's 5e-3; without them
+    corrections on (no slab dense) and dE, dC meet the 5e-3 target; without them
     (first_order=False) the dense slabs meet it too."""
     import cce.ops.linear_ce.triton_backward as TB
 

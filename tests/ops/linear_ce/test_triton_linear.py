@@ -294,7 +294,7 @@ def test_exact_below_sparse_min_flops():
     (the same gradients, bit for bit, as filter_eps=None); at 0 the filter acts (random logits
     of std 1.5: every tile skipped, the rank-1 corrections' error, far above fp32 rounding)
     unless the dense slabs (on by default) take the tiles whose corrections err: then the error
-    is within the issue's 5e-3 (the rule aims at slab_error = 2.5e-3 on sampled rows)."""
+    is within the 5e-3 target (the rule aims at slab_error = 2.5e-3 on sampled rows)."""
     e, c, t = spread_logits_problem(2)
     (N, D), V = e.shape, c.shape[0]
 

@@ -112,7 +112,7 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 # i < Cnt[a], 0 for Cnt[a] <= i <= B (List [A, B + 1]; the last column is where the torch form
 # of this, a scatter, dumped the unset entries). The set entries' slots (cumsum - 1) and the
 # zeroed tail are disjoint, so the two stores of a program never meet. One launch for what
-# took six torch ops and a transposed copy (host time of a step: docs/benchmarks.md, issue 16).
+# took six torch ops and a transposed copy (host time of a step: docs/benchmarks.md, "Host time").
 @cached_launch
 @triton.jit
 def _compact_kernel(K, List, Cnt, B, stride_a, stride_b, BLOCK_B: tl.constexpr):
@@ -250,7 +250,8 @@ def add_dc_targets(
     before Ampere) one fp32 product of FMAs ("ieee"). The frequent classes' targets sit in the
     first tiles of the sorted vocabulary (half of a zipf-like batch's rows in one tile at
     N = 8192): those tiles' programs loop over thousands of rows while the others have a few, so
-    the loop is the writer's longest path (docs/benchmarks.md, issue 16, session 25)."""
+    the loop is the writer's longest path (docs/benchmarks.md, "The dC writer's target rows on
+    the tensor cores")."""
     seg0 = tl.load(Seg + j)
     seg1 = tl.load(Seg + j + 1)
     lanes = tl.arange(0, LANES)

@@ -274,7 +274,7 @@ def _fwd_kernel(
 #   M0Out_i = M0_i where finite, else 0                             (the head tile's lse).
 #
 # Two passes over the parts (the max, then the rescaled sum), in one launch instead of about
-# fifteen torch ops (host time of a step: docs/benchmarks.md, issue 16). The parts are summed in
+# fifteen torch ops (host time of a step: docs/benchmarks.md, "Host time"). The parts are summed in
 # order p = 0, 1, ...; Se exp(-inf - M) = 0 for parts that never saw the row.
 @cached_launch
 @triton.heuristics({"HAS_SS": lambda a: a["Ss"] is not None, "HAS_M0": lambda a: a["M0"] is not None})

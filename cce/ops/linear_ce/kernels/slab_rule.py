@@ -3,7 +3,7 @@
 slab_choice.dense_slab_flags decides which slabs of the sorted vocabulary the sparse backward
 does densely from a few dozen small tensors. As torch ops that was about 70 launches per step,
 host time that a step at small N or on one rank's block of the vocabulary does not hide behind
-its kernels (docs/benchmarks.md, issue 16). Here:
+its kernels (docs/benchmarks.md, "Host time"). Here:
 
 1. _slab_gram_kernel: the Gram matrices of the slabs' sampled errors, G[s, s'] = <err_s, err_s'>
    and, with the first-order terms, D[s, s'] = <err_s - fo_s, err_s' - fo_s'> (fp32, IEEE
