@@ -251,7 +251,7 @@ def test_real_and_init_regimes_tiny():
 
 
 def test_matrix_config_and_summary():
-    """--matrix: the issue's heads x token counts at the linear level, fwd+bwd, every regime by
+    """--matrix: the matrix's heads x token counts at the linear level, fwd+bwd, every regime by
     default; slices by --matrix-heads / --matrix-n; the summary picks the fastest peer per cell."""
     from bench.matrix import MATRIX_HEADS, summarize
 
