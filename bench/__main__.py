@@ -14,8 +14,6 @@ Examples::
     python -m bench --check linear [--quick] # correctness of impl="triton" at real sizes (bench/checks.py)
     python -m bench --check logits           # the logits level against the float64 oracle
     torchrun --nproc_per_node 2 -m bench.dist   # vocabulary parallelism on 2 GPUs (bench/dist.py)
-    python -m bench --vp-emulate 2 --quick   # one rank's share of 2 on one GPU vs the single-GPU call
-                                             # (bench/vp_emulate.py: world size 1, no collectives timed)
 """
 
 from __future__ import annotations
@@ -93,13 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the shape x data matrix (bench/matrix.py): linear level, fwd+bwd, every regime unless --data",
     )
     ap.add_argument("--matrix-heads", help="comma list of the matrix's heads (default all)")
-    ap.add_argument(
-        "--vp-emulate",
-        type=int,
-        metavar="K",
-        help="vocabulary parallelism emulated on one GPU: each rank's 1/K of the classifier in a group "
-        "of one rank beside the single-GPU call (bench/vp_emulate.py; --shapes/--quick, --data)",
-    )
     ap.add_argument(
         "--resume",
         type=Path,
@@ -179,11 +170,6 @@ def main(argv: list[str] | None = None) -> int:
         out = None if args.no_save else (args.out or RESULTS)
         return 1 if run_check(args.check, args.quick, out, args.tag) else 0
     cfg = config_from_args(args)
-    if args.vp_emulate:
-        from .vp_emulate import run_emulation
-
-        out = None if args.no_save else (args.out or RESULTS)
-        return run_emulation(cfg.shapes, cfg.regimes, args.vp_emulate, cfg, out)
     if args.matrix and args.matrix_gpus > 1:
         return _matrix_on_gpus(args, cfg, sys.argv[1:] if argv is None else argv)
     result = run(cfg)
