@@ -24,9 +24,20 @@ runs in float32 and rounds once to ``dtype``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    N: int
+    D: int
+    V: int
+    sweep: bool = False
+
 
 # (N, D, V) of the benchmarked model heads.
 SHAPES: dict[str, tuple[int, int, int]] = {

@@ -36,20 +36,12 @@ from pathlib import Path
 import torch
 
 from . import data
+from .data import Shape
 from .providers import FWD, FWDBWD, LINEAR, LOGITS, MODES, Provider, versions
 from .reference import linear_reference, logits_reference, rel_l2
 
 IGNORE_INDEX = data.IGNORE_INDEX
 COPY_BYTES = 1 << 31  # the bandwidth probe copies a 2 GiB buffer
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    name: str
-    N: int
-    D: int
-    V: int
-    sweep: bool = False
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .harness import Shape
+from .data import Shape
 
 MATRIX_N: tuple[int, ...] = (2048, 8192, 32768)
 # (D, V) of the heads people train (issue 15).
