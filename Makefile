@@ -1,4 +1,5 @@
-# cce: `make demo` (the main job), `make test` (CPU suite), `make test-gpu`, `make bench`, `make lint`.
+# cce: `make demo` (the main job), `make test` (CPU suite, minutes), `make test-all` (the thorough tier),
+# `make test-gpu` / `make test-gpu-all`, `make bench`, `make lint`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,8 +10,13 @@ CPU_TORCH ?= torch==2.13.0
 # On a GPU host (torch preinstalled), run the GPU suite with that interpreter: make test-gpu GPU_PY=python3
 GPU_PY ?= python3
 PYTEST_ARGS ?=
+# pytest-xdist workers: `auto` = one per CPU core (the CPU suite), 4 processes sharing one GPU.
+TEST_WORKERS ?= auto
+GPU_WORKERS ?= 4
+# The GPU host's python may lack pytest-xdist: then the GPU suite runs in one process.
+GPU_XDIST = $(shell $(GPU_PY) -c "import xdist" 2>/dev/null && echo "-n $(GPU_WORKERS) --dist loadgroup")
 
-.PHONY: install test test-gpu lint format demo demo-gpu bench bench-cpu clean
+.PHONY: install test test-all test-gpu test-gpu-all lint format demo demo-gpu bench bench-cpu clean
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
@@ -26,11 +32,21 @@ $(VENV)/.installed: pyproject.toml | $(PYTHON)
 
 install: $(VENV)/.installed
 
+# The default tier: every public option, error path, Triton kernel (in the interpreter) and
+# integration at the smallest shapes that exercise them; hypothesis derandomized, few examples.
 test: install
-	$(PYTHON) -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not gpu and not slow" $(PYTEST_ARGS) tests
+
+# The thorough tier: the default tier plus the `slow` tests, hypothesis randomized with the full
+# example counts. Run it before a kernel change lands.
+test-all: install
+	CCE_TEST_TIER=all $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not gpu" $(PYTEST_ARGS) tests
 
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -m gpu $(PYTEST_ARGS) tests
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q $(GPU_XDIST) -m "gpu and not slow" $(PYTEST_ARGS) tests
+
+test-gpu-all:
+	PYTHONPATH=$(CURDIR) CCE_TEST_TIER=all $(GPU_PY) -m pytest -q $(GPU_XDIST) -m gpu $(PYTEST_ARGS) tests
 
 lint: install
 	$(BIN)/ruff format --check cce tests bench examples
@@ -48,7 +64,11 @@ demo-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m examples.demo --device cuda
 
 bench:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench
+	@$(GPU_PY) -c "import torch; raise SystemExit(not torch.cuda.is_available())" 2>/dev/null || { \
+	  echo "make bench needs a CUDA GPU and a python with torch ($(GPU_PY)); none here."; \
+	  echo "On the CPU: make bench-cpu (impl='torch' against PyTorch's chunked linear cross entropy)."; \
+	  exit 1; }
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench $(BENCH_ARGS)
 
 bench-cpu: install
 	$(PYTHON) bench/cpu_compare.py

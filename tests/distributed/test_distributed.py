@@ -757,7 +757,13 @@ def _run_group(world: int, tmp: Path) -> dict[str, list[str]]:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
+# Each group's processes run once per pytest process: under pytest-xdist (--dist loadgroup) all
+# the tests of one group go to one worker, so that no two workers start the same group.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(w, marks=pytest.mark.xdist_group(f"gloo-world{w}")) for w in (2, 3)],
+    ids=lambda w: f"world{w}",
+)
 def group_results(request, tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -778,6 +784,7 @@ def world1_results(tmp_path_factory):
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="impl='triton' on CPU tensors needs the Triton interpreter")
+@pytest.mark.xdist_group("gloo-world1")
 @pytest.mark.parametrize("case", WORLD1_CASES + WORLD1_OUTPUT_CASES)
 def test_world_size_one(world1_results, case):
     _check(world1_results, case)

@@ -56,10 +56,10 @@ CASES = [
     # fp32 with TF32 off: the only rounding is fp32 accumulation order (and the 2^-20 filter).
     (1024, 2048, 32000, "zipf", FP32, "auto", 1e-4),
     (1024, 2048, 32000, "zipf", FP32, None, 1e-5),
-    (4096, 4096, 128256, "zipf", BF, "auto", 1e-2),
+    pytest.param(4096, 4096, 128256, "zipf", BF, "auto", 1e-2, marks=pytest.mark.slow),
     (4096, 4096, 128256, "zipf", BF, None, 5e-3),
     # N * V = 4.19e9 > 2^31: int64 offsets in every pointer that mixes rows and vocab / D.
-    (16384, 2304, 256000, "zipf", BF, "auto", 1e-2),
+    pytest.param(16384, 2304, 256000, "zipf", BF, "auto", 1e-2, marks=pytest.mark.slow),
     (16384, 2304, 256000, "random", BF, None, 5e-3),
 ]
 
@@ -211,7 +211,7 @@ def test_torch_impl_on_cuda(dtype, regime):
     assert rel_l2(dE, ref_dE) <= 5e-3 and rel_l2(dC, ref_dC) <= 5e-3, (rel_l2(dE, ref_dE), rel_l2(dC, ref_dC))
 
 
-@pytest.mark.parametrize("dense_slabs", [False, True])
+@pytest.mark.parametrize("dense_slabs", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_training_step_memory_flat_in_n(dense_slabs):
     """The filtered training step's peak memory beyond its inputs and gradients, per token.
 
@@ -244,6 +244,7 @@ def test_training_step_memory_flat_in_n(dense_slabs):
     assert per_token < (6 * D if dense_slabs else 0) + 400, (excess, per_token)
 
 
+@pytest.mark.slow
 def test_first_order_on_near_uniform_rows():
     """Random logits of standard deviation 0.5 (a near-uniform softmax, as at the start of
     training), the filtered path forced at this size: the device turns the first-order
@@ -274,6 +275,7 @@ def test_first_order_on_near_uniform_rows():
     assert int(flag_off) == 0 and int(dense_off.sum()) > 0
 
 
+@pytest.mark.slow
 def test_cuda_graph_capture_first_order():
     """The default filtered step on random logits (first-order corrections on, decided on the
     device) captures in a CUDA graph and replays on new data within 5e-3."""
