@@ -1,10 +1,7 @@
-"""Correctness checks at real sizes, as harness modes (``python -m bench --check linear|logits``).
-
-Timings and memory against every peer are the harness's job (``python -m bench``); these checks
-answer "is it right at the sizes people train at": impl="triton" against bench.reference (linear
-level: fp32 results from the same bf16 inputs) or the float64 oracle (logits level), with the
-vocabulary large enough that N x V passes 2^31. One JSON line per case, a table last, and a JSON
-file in the output folder. Only the public API of cce is used.
+"""Correctness at real sizes (``python -m bench --check linear|logits [--quick]``, GPU): impl="triton"
+against bench.reference (linear level: fp32 results from the same bf16 inputs) or the float64 oracle
+(logits level), with vocabularies large enough that N x V passes 2^31. One JSON line per case, a
+table last, a JSON file in the output folder. Only the public API of cce is used.
 """
 
 from __future__ import annotations
@@ -14,7 +11,11 @@ from pathlib import Path
 
 import torch
 
+import cce
+from cce.reference import cross_entropy_reference
+
 from .data import IGNORE_EVERY, make_inputs
+from .providers import versions
 from .reference import linear_reference, rel_l2
 
 BF, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -39,8 +40,6 @@ def _emit(rows: list[dict], row: dict) -> None:
 
 def linear_check(quick: bool = False) -> list[dict]:
     """Loss and gradient errors of cce.linear_cross_entropy (impl="triton") per case."""
-    import cce
-
     rows: list[dict] = []
     for N, D, V, regime, dtype, feps in LINEAR_CASES[:4] if quick else LINEAR_CASES:
         name = f"N={N} D={D} V={V} {regime} {str(dtype).split('.')[-1]} eps={feps}"
@@ -50,10 +49,8 @@ def linear_check(quick: bool = False) -> list[dict]:
             el, cl = e.detach().requires_grad_(), c.detach().requires_grad_()
             loss = cce.linear_cross_entropy(el, cl, t, impl="triton", filter_eps=feps)
             loss.backward()
-            row = dict(
-                case=name, loss_rel=abs(float(loss) - ref.loss) / abs(ref.loss),
-                dE_rel=rel_l2(el.grad, ref.de), dC_rel=rel_l2(cl.grad, ref.dc),
-            )  # fmt: skip
+            row = dict(case=name, loss_rel=abs(float(loss) - ref.loss) / abs(ref.loss),
+                       dE_rel=rel_l2(el.grad, ref.de), dC_rel=rel_l2(cl.grad, ref.dc))  # fmt: skip
             del ref, el, cl
         except Exception as exc:  # keep going: one failing case must not hide the others
             row = dict(case=name, error=f"{type(exc).__name__}: {exc}"[:400])
@@ -76,9 +73,6 @@ def _logits_case(name: str, x: torch.Tensor, t: torch.Tensor, **kw) -> dict:
     """cce.cross_entropy vs the float64 oracle on loss, lse and the gradient under random upstream
     gradients. The gradient is stored in the logits' dtype, so it can be no better than the exact
     one rounded once to that dtype: pass when its error is <= 1.5 x that rounding + 1e-5."""
-    import cce
-    from cce.reference import cross_entropy_reference
-
     inplace = kw.pop("inplace_backward", False)
     g = torch.Generator(device="cuda").manual_seed(1)
     leaf = x.detach().clone().requires_grad_()
@@ -108,10 +102,8 @@ def logits_check(quick: bool = False) -> list[dict]:
         x, t = _logits(512, 32000, dtype, seed=2)
         _emit(rows, _logits_case(f"{dtype} plain", x, t))
         opts = dict(softcap=15.0, label_smoothing=0.1, z_loss=1e-4, return_lse=True)
-        _emit(
-            rows,
-            _logits_case(f"{dtype} all options", x, t, weight=torch.rand(32000, device="cuda") + 0.5, **opts),
-        )
+        opts["weight"] = torch.rand(32000, device="cuda") + 0.5
+        _emit(rows, _logits_case(f"{dtype} all options", x, t, **opts))
     if quick:
         return rows
     x, t = _logits(4, 256000, BF, seed=3)
@@ -127,8 +119,6 @@ def logits_check(quick: bool = False) -> list[dict]:
 
 def run_check(level: str, quick: bool, out_dir: Path | None, tag: str = "") -> int:
     """Runs one check, prints its table last, writes its JSON; returns the number of failures."""
-    from .providers import versions
-
     rows = linear_check(quick) if level == "linear" else logits_check(quick)
     info = dict(gpu=torch.cuda.get_device_name(), **versions([]))
     print(json.dumps(info))
@@ -141,10 +131,8 @@ def run_check(level: str, quick: bool, out_dir: Path | None, tag: str = "") -> i
             print(f"{r['case']:<48} loss {r['loss_rel']:.1e}  dE {r['dE_rel']:.2e}  dC {r['dC_rel']:.2e}")
         else:
             failed += not r["ok"]
-            print(
-                f"{r['case']:<48} loss/lse {r['loss_err']:.1e}  grad {r['grad_err']:.2e} "
-                f"(dtype rounding {r['grad_rounding']:.2e})  {'ok' if r['ok'] else 'FAIL'}"
-            )
+            print(f"{r['case']:<48} loss/lse {r['loss_err']:.1e}  grad {r['grad_err']:.2e} "
+                  f"(dtype rounding {r['grad_rounding']:.2e})  {'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         name = f"check_{level}{'_' + tag if tag else ''}.json"

@@ -1,11 +1,10 @@
-"""CPU comparison of issue 2: cce impl="torch" against PyTorch's own chunked linear cross entropy.
+"""CPU comparison (``make bench-cpu``): cce impl="torch" against PyTorch's chunked linear cross entropy.
 
     python bench/cpu_compare.py [--rounds 3] [--data random|peaked] [--json bench/results/cpu.json]
 
-Shape N=2048, D=512, V=32000, fp32, every 13th target ignored. Each provider runs in its own
-process (fresh allocator, so peak RSS growth is comparable), providers alternate, and every
-process times one warm-up and then ``--iters`` forward+backward passes (median reported).
-Peak memory is the growth of the process' peak RSS over its RSS after the inputs were created.
+N=2048, D=512, V=32000, fp32, every 13th target ignored. Each provider runs in its own process
+(alternating), one warm-up and ``--iters`` timed forward+backward passes (median); peak memory is
+the growth of the process' peak RSS over its RSS after the inputs were made.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PROVIDERS = ("cce_torch", "cce_torch_exact", "torch_chunked", "torch_materialized", "matmul")
 
@@ -37,10 +37,6 @@ def _child(provider: str, data: str, iters: int) -> dict:
     c = (torch.randn(V, D, generator=g) * s).requires_grad_()
     t = torch.randint(0, V, (N,), generator=g)
     t[::13] = -100
-
-    def rss_mb() -> float:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
     def step():
         e.grad = None
@@ -64,23 +60,18 @@ def _child(provider: str, data: str, iters: int) -> dict:
 
     if provider.startswith("cce"):
         import cce  # noqa: F401  (import-time memory is not the op's)
-    base = rss_mb()
+    with open("/proc/self/statm") as f:  # resident pages: the RSS after the inputs were made
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     times = []
     for i in range(iters + 1):
         t0 = time.perf_counter()
         out = step()
-        dt = time.perf_counter() - t0
-        if i:
-            times.append(dt)
+        if i:  # (the first call warms up)
+            times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
     loss = float(out) if out.dim() == 0 else float("nan")
-    return {
-        "provider": provider,
-        "median_s": statistics.median(times),
-        "times_s": times,
-        "peak_rss_growth_mb": peak - base,
-        "loss": loss,
-    }
+    return dict(provider=provider, median_s=statistics.median(times), times_s=times,
+                peak_rss_growth_mb=peak - base, loss=loss)  # fmt: skip
 
 
 def main() -> None:
@@ -105,18 +96,13 @@ def main() -> None:
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             res = json.loads(out.stdout.strip().splitlines()[-1])
             results[p].append(res)
-            print(
-                f"round {r + 1}/{a.rounds} {p:20s} {res['median_s']:.3f} s  "
-                f"+{res['peak_rss_growth_mb']:.0f} MB  loss {res['loss']:.5f}",
-                flush=True,
-            )
-    summary = {}
-    for p, rs in results.items():
-        summary[p] = {
-            "median_s": statistics.median(x["median_s"] for x in rs),
-            "peak_rss_growth_mb": statistics.median(x["peak_rss_growth_mb"] for x in rs),
-            "loss": rs[0]["loss"],
-        }
+            print(f"round {r + 1}/{a.rounds} {p:20s} {res['median_s']:.3f} s  "
+                  f"+{res['peak_rss_growth_mb']:.0f} MB  loss {res['loss']:.5f}", flush=True)  # fmt: skip
+    summary = {
+        p: {k: statistics.median(x[k] for x in rs) for k in ("median_s", "peak_rss_growth_mb")}
+        | {"loss": rs[0]["loss"]}
+        for p, rs in results.items()
+    }
     ref = summary.get("torch_chunked")
     print(f"\nN=2048 D=512 V=32000 fp32, data={a.data}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     print(f"{'provider':22s} {'median s':>9s} {'vs chunked':>10s} {'peak RSS +MB':>13s}")
@@ -124,17 +110,13 @@ def main() -> None:
         ratio = s["median_s"] / ref["median_s"] if ref else float("nan")
         print(f"{p:22s} {s['median_s']:9.3f} {ratio:10.2f} {s['peak_rss_growth_mb']:13.0f}")
     if a.json:
-        meta = {
-            "torch": torch.__version__,
-            "cpus": os.cpu_count(),
-            "machine": platform.processor() or platform.machine(),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "data": a.data,
-            "shape": {"N": 2048, "D": 512, "V": 32000, "dtype": "float32", "ignore": "every 13th"},
-        }
+        meta = dict(
+            torch=torch.__version__, cpus=os.cpu_count(), machine=platform.processor() or platform.machine(),
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), data=a.data,
+            shape={"N": 2048, "D": 512, "V": 32000, "dtype": "float32", "ignore": "every 13th"},
+        )  # fmt: skip
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "summary": summary, "runs": results}, f, indent=1)
+        Path(a.json).write_text(json.dumps({"meta": meta, "summary": summary, "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

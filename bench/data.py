@@ -1,25 +1,13 @@
-"""Benchmark inputs: the shapes and the data regimes of ../shared/BRIEF.md, deterministic by seed.
+"""Benchmark shapes and inputs, deterministic by seed (on ``device``'s generator, in float32, rounded
+once to ``dtype``; every ``ignore_every``-th target is ``IGNORE_INDEX``). Data regimes:
 
-Regimes (bf16 by default; every ``ignore_every``-th target is ``ignore_index``, as in the measured
-peer table):
-
-- ``"random"``: e, c with i.i.d. entries of variance 1/sqrt(D), so the logits are ~ N(0, 1) and the
-  softmax is nearly uniform; targets uniform. The easy case for gradient filtering.
-- ``"zipf"`` (LM-like): unigram log-frequencies ``log f_v`` from a Zipf law (exponent 1.1) laid
-  over a random permutation of the ids; one unit direction ``u``; ``g_v`` random, norm ~1,
-  orthogonal to ``u``; ``c_v = g_v + log f_v * u``; targets drawn from ``f``;
-  ``e_i = u + 6.5 * g_{t_i}``. Then ``logit_iv = log f_v + 6.5 g_{t_i}.g_v``: the target gets
-  ~+6.5 over its prior, other entries follow the prior, and the frequent ids are scattered over
-  the id range. Measured on 512 rows at V = 256000 (D = 512 and 2304): mean loss 2.0 nats
-  (the expectation over t ~ f is 2.09; BRIEF.md quotes ~2.4), ~155 softmax entries per row
-  above 2^-12 (BRIEF.md: ~200).
-
-- ``"real"`` / ``"init"``: hidden states and head of a small GPT trained in the run on text of the
-  installed packages, or untrained (bench/real.py).
-
-Tensors are generated on ``device`` with a generator of that device seeded by ``seed``: the same
-(seed, device type, shape) always gives the same tensors; CPU and CUDA streams differ. Generation
-runs in float32 and rounds once to ``dtype``.
+- ``"random"``: e, c i.i.d. with variance 1/sqrt(D): logits ~ N(0, 1), a nearly uniform softmax.
+- ``"zipf"`` (LM-like): ``c_v = g_v + log f_v u`` with ``log f`` a Zipf law (exponent 1.1) over
+  permuted ids, ``u`` a unit vector, ``g_v`` random (norm ~1, orthogonal to u); targets drawn from
+  f; ``e_i = u + 6.5 g_{t_i}``: ``logit_iv = log f_v + 6.5 g_{t_i}.g_v``, the target ~6.5 nats above
+  its prior (mean loss ~2.0 nats at V = 256000).
+- ``"real"`` / ``"init"``: hidden states and head of a small GPT trained in the run on the text of
+  the installed packages, or untrained (bench/real.py).
 """
 
 from __future__ import annotations
@@ -50,32 +38,33 @@ SHAPES: dict[str, tuple[int, int, int]] = {
 SWEEP_BASE = "llama3-8b"
 SWEEP_N: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 REGIMES = ("random", "zipf")
-# Regimes from a small GPT trained in the run on real text (bench/real.py), or left untrained.
-MODEL_REGIMES = ("real", "init")
+MODEL_REGIMES = ("real", "init")  # bench/real.py
 ALL_REGIMES = REGIMES + MODEL_REGIMES
 ZIPF_EXPONENT = 1.1
-# Scale of the target's own direction in e_i: sets the target's logit boost (~6.5 nats).
-ZIPF_TARGET_SCALE = 6.5
+ZIPF_TARGET_SCALE = 6.5  # scale of the target's own direction in e_i: its logit boost in nats
 IGNORE_EVERY = 17
 IGNORE_INDEX = -100
-
-# Rows of the (V, D) float32 temporaries generated at once, to bound the generation's peak memory.
-_GEN_ROWS = 16384
-
-
-def _generator(device: torch.device, seed: int) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(int(seed))
+_GEN_ROWS = 16384  # rows of the (V, D) float32 temporaries generated at once
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _ignore(t: torch.Tensor, every: int, ignore_index: int) -> torch.Tensor:
+def parse_shape(spec: str) -> Shape:
+    """A named shape (SHAPES) or ``NxDxV``."""
+    if spec in SHAPES:
+        return Shape(spec, *SHAPES[spec])
+    parts = spec.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"unknown shape {spec!r}: one of {sorted(SHAPES)} or NxDxV")
+    return Shape(spec, *map(int, parts))
+
+
+def _ignore(t: torch.Tensor, every: int) -> torch.Tensor:
     if every > 0:
-        t[::every] = ignore_index
+        t[::every] = IGNORE_INDEX
     return t
 
 
-def zipf_log_freq(
-    V: int, *, generator: torch.Generator, device, exponent: float = ZIPF_EXPONENT
-) -> torch.Tensor:
+def zipf_log_freq(V: int, *, generator: torch.Generator, device, exponent: float = ZIPF_EXPONENT):
     """log f_v (float32, [V]) of a normalized Zipf law over a random permutation of the ids."""
     ranks = torch.arange(1, V + 1, device=device, dtype=torch.float64)
     logf_by_rank = -exponent * torch.log(ranks)
@@ -87,19 +76,11 @@ def zipf_log_freq(
 
 
 def random_inputs(
-    N: int,
-    D: int,
-    V: int,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    seed: int = 0,
-    ignore_every: int = IGNORE_EVERY,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, ignore_every=IGNORE_EVERY
+) -> Inputs:
     """(e [N, D], c [V, D], targets [N] int64) of the "random" regime."""
     device = torch.device(device)
-    g = _generator(device, seed)
+    g = torch.Generator(device=device).manual_seed(int(seed))
     std = D**-0.25  # variance 1/sqrt(D) for e and c: logits have variance D * (1/sqrt(D))^2 = 1
     e = (torch.randn(N, D, generator=g, device=device) * std).to(dtype)
     c = torch.empty(V, D, device=device, dtype=dtype)
@@ -107,26 +88,16 @@ def random_inputs(
         rows = min(_GEN_ROWS, V - s)
         c[s : s + rows] = torch.randn(rows, D, generator=g, device=device) * std
     t = torch.randint(0, V, (N,), generator=g, device=device)
-    return e, c, _ignore(t, ignore_every, ignore_index)
+    return e, c, _ignore(t, ignore_every)
 
 
 def zipf_inputs(
-    N: int,
-    D: int,
-    V: int,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    seed: int = 0,
-    ignore_every: int = IGNORE_EVERY,
-    ignore_index: int = IGNORE_INDEX,
-    exponent: float = ZIPF_EXPONENT,
-    target_scale: float = ZIPF_TARGET_SCALE,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N: int, D: int, V: int, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, ignore_every=IGNORE_EVERY
+) -> Inputs:
     """(e [N, D], c [V, D], targets [N] int64) of the "zipf" (LM-like) regime."""
     device = torch.device(device)
-    g = _generator(device, seed)
-    logf = zipf_log_freq(V, generator=g, device=device, exponent=exponent)
+    g = torch.Generator(device=device).manual_seed(int(seed))
+    logf = zipf_log_freq(V, generator=g, device=device)
     u = torch.randn(D, generator=g, device=device)
     u = u / u.norm()
     t = torch.multinomial(logf.exp(), N, replacement=True, generator=g)
@@ -140,25 +111,15 @@ def zipf_inputs(
         c[s : s + rows] = gv + logf[s : s + rows, None] * u
         hit = (t >= s) & (t < s + rows)
         idx = torch.where(hit, t - s, 0)
-        e32 += torch.where(hit[:, None], target_scale * gv[idx], 0.0)
-    e = e32.to(dtype)
-    return e, c, _ignore(t, ignore_every, ignore_index)
+        e32 += torch.where(hit[:, None], ZIPF_TARGET_SCALE * gv[idx], 0.0)
+    return e32.to(dtype), c, _ignore(t, ignore_every)
 
 
 def make_inputs(
-    N: int,
-    D: int,
-    V: int,
-    regime: str = "random",
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    seed: int = 0,
-    ignore_every: int = IGNORE_EVERY,
-    ignore_index: int = IGNORE_INDEX,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, D, V, regime: str = "random", *, dtype=torch.bfloat16, device="cpu", seed=0, ignore_every=IGNORE_EVERY
+) -> Inputs:
     """(e [N, D], c [V, D], targets [N]) of ``regime`` (one of ALL_REGIMES); no requires_grad set."""
-    kw = dict(dtype=dtype, device=device, seed=seed, ignore_every=ignore_every, ignore_index=ignore_index)
+    kw = dict(dtype=dtype, device=device, seed=seed, ignore_every=ignore_every)
     if regime == "random":
         return random_inputs(N, D, V, **kw)
     if regime == "zipf":
@@ -171,27 +132,11 @@ def make_inputs(
 
 
 def make_logits(
-    N: int,
-    D: int,
-    V: int,
-    regime: str = "random",
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    seed: int = 0,
-    ignore_every: int = IGNORE_EVERY,
-    ignore_index: int = IGNORE_INDEX,
+    N: int, D: int, V: int, regime="random", *, dtype=torch.bfloat16, device="cpu", seed=0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [N, V], targets [N]) of ``regime``: ``e @ c.T`` of :func:`make_inputs`'s inputs.
-
-    e and c are generated in float32 (the same random draws as :func:`make_inputs`, unrounded), the
-    product is taken in float32 and rounded once to ``dtype``, in row blocks (no N x V float32
-    buffer beside the result).
-    """
-    e, c, t = make_inputs(
-        N, D, V, regime, dtype=torch.float32, device=device, seed=seed,
-        ignore_every=ignore_every, ignore_index=ignore_index,
-    )  # fmt: skip
+    """(logits [N, V], targets [N]) of ``regime``: ``e @ c.T`` of :func:`make_inputs`'s draws, taken
+    in float32 and rounded once to ``dtype``, in row blocks (no N x V float32 buffer)."""
+    e, c, t = make_inputs(N, D, V, regime, dtype=torch.float32, device=device, seed=seed)
     logits = torch.empty(N, V, device=e.device, dtype=dtype)
     block = max(1, (256 << 20) // (4 * V))
     for s in range(0, N, block):

@@ -1,13 +1,5 @@
-"""The shape x data matrix (``python -m bench --matrix``): every common LM head at several token
-counts, in every data regime, cce default and exact against every peer, summarised per cell as
-the speedup of cce's default over the fastest peer (issue 15's table).
-
-A full matrix takes longer than one device call: ``--matrix-heads`` and ``--matrix-n`` select a
-slice, ``--resume FILE.json`` continues a run cut short (its rows kept, the missing ones run),
-and ``python -m bench.matrix FILE.json ...`` prints the summary of several runs' JSON
-(``--merge OUT.json`` also writes them as one result). On a host with several GPUs,
-``--matrix-gpus K`` runs the matrix as one run on K of them: the heads are split over K
-processes (one GPU each, balanced by D V), whose results are merged into one JSON.
+"""The shape x data matrix (``python -m bench --matrix``): common LM heads at several token counts
+in every data regime, summarised per cell as the speedup of cce's default over the fastest peer.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from pathlib import Path
 from .data import Shape
 
 MATRIX_N: tuple[int, ...] = (2048, 8192, 32768)
-# (D, V) of the heads people train (issue 15).
+# (D, V) of the heads people train.
 MATRIX_HEADS: dict[str, tuple[int, int]] = {
     "gpt2": (768, 50257),
     "qwen2.5-0.5b": (896, 151936),
@@ -45,10 +37,6 @@ def matrix_shapes(heads: list[str] | None = None, ns: list[int] | None = None) -
     return [Shape(f"{h}@N={n}", n, *MATRIX_HEADS[h]) for h in heads for n in ns or MATRIX_N]
 
 
-def _is_peer(name: str) -> bool:
-    return not name.startswith("cce")
-
-
 def cells(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
     """The matrix's fwd+bwd rows that ran, by (shape, regime), then by provider."""
     out: dict[tuple[str, str], dict[str, dict]] = {}
@@ -60,8 +48,8 @@ def cells(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict]]:
 
 def fastest_peer(by_provider: dict[str, dict]) -> dict | None:
     """The row of the fastest provider that is not cce (None where no peer ran)."""
-    peers = [r for n, r in by_provider.items() if _is_peer(n)]
-    return min(peers, key=lambda r: r["ms"]) if peers else None
+    peers = [r for n, r in by_provider.items() if not n.startswith("cce")]
+    return min(peers, key=lambda r: r["ms"], default=None)
 
 
 def summarize(rows: list[dict]) -> str:
@@ -72,19 +60,15 @@ def summarize(rows: list[dict]) -> str:
             "dE err", "dC err"]  # fmt: skip
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     speedups = []
+    f = lambda v, spec: "-" if v is None else format(v, spec)
     for (shape, regime), by in sorted(cells(rows).items()):
         d, x = by.get(CCE), by.get(EXACT)
-        peers = [r for n, r in by.items() if _is_peer(n)]
         best = fastest_peer(by)
         sp = best["ms"] / d["ms"] if (d and best) else None
         if sp:
             speedups.append(sp)
-        rivals = [r["ms"] for r in peers] + ([x["ms"]] if x else [])
+        rivals = [r["ms"] for n, r in by.items() if not n.startswith("cce")] + ([x["ms"]] if x else [])
         fastest = None if not (d and rivals) else d["ms"] <= min(rivals)
-
-        def f(v, spec):
-            return "-" if v is None else format(v, spec)
-
         out.append(
             f"| {shape} | {regime} | {f(d and d['ms'], '.2f')} | {f(x and x['ms'], '.2f')} | "
             f"{best['provider'] if best else '-'} | {f(best and best['ms'], '.2f')} | {f(sp, '.2f')} | "
@@ -124,8 +108,13 @@ def merge(results: list[dict]) -> dict:
 
 
 def run_on_gpus(argv: list[str], heads: list[str], k: int, out_dir: Path, tag: str) -> dict:
-    """``python -m bench argv --matrix-heads <group>`` once per group of split_heads(heads, k),
-    side by side, process i on GPU i (CUDA_VISIBLE_DEVICES); their results merged."""
+    """``python -m bench <argv> --matrix-heads <group>`` once per group of split_heads(heads, k), side
+    by side, process i on GPU i (CUDA_VISIBLE_DEVICES), ``argv``'s own --matrix-gpus, --matrix-heads,
+    --out and --tag left out; their results merged."""
+    drop, rest = ("--matrix-gpus", "--matrix-heads", "--out", "--tag"), []
+    for i, a in enumerate(argv):
+        if a.split("=")[0] not in drop and not (i and argv[i - 1] in drop):
+            rest.append(a)
     groups = split_heads(heads, k)
     parts = [out_dir / f"part{i}" for i in range(len(groups))]
     for part in parts:  # results of an earlier run there are not this run's
@@ -133,35 +122,15 @@ def run_on_gpus(argv: list[str], heads: list[str], k: int, out_dir: Path, tag: s
             f.unlink()
     procs = []
     for i, (group, part) in enumerate(zip(groups, parts, strict=True)):
-        cmd = [sys.executable, "-m", "bench", *argv, "--matrix-heads", ",".join(group), "--out", str(part),
+        cmd = [sys.executable, "-m", "bench", *rest, "--matrix-heads", ",".join(group), "--out", str(part),
                "--tag", f"{tag}-part{i}" if tag else f"part{i}", "--no-plots"]  # fmt: skip
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i))
         procs.append(subprocess.Popen(cmd, env=env))
     codes = [p.wait() for p in procs]
-    results = []
-    for part in parts:
-        files = sorted(part.glob("*.json"), key=lambda f: f.stat().st_mtime)
-        if files:
-            results.append(json.loads(files[-1].read_text()))
+    latest = [max(part.glob("*.json"), key=lambda f: f.stat().st_mtime, default=None) for part in parts]
+    results = [json.loads(f.read_text()) for f in latest if f is not None]
     if not results:
         raise RuntimeError(f"no part of the matrix wrote a result (exit codes {codes})")
     merged = merge(results)
-    merged["meta"]["part_exit_codes"] = codes
+    merged["meta"].update(part_exit_codes=codes, argv=argv)
     return merged
-
-
-def main(argv: list[str]) -> int:
-    out = None
-    if "--merge" in argv:
-        i = argv.index("--merge")
-        out, argv = Path(argv[i + 1]), argv[:i] + argv[i + 2 :]
-    results = [json.loads(Path(p).read_text()) for p in argv]
-    merged = merge(results)
-    if out is not None:
-        out.write_text(json.dumps(merged, indent=1, default=str) + "\n")
-    print(summarize(merged["rows"]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

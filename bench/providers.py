@@ -1,18 +1,11 @@
-"""What the harness compares: cce and every peer a user could pick instead, behind one interface.
-
-A :class:`Provider` computes a mean cross-entropy loss, either from hidden states and the classifier
-weight ("linear" level: ``loss(e, c, t)``) or from existing logits ("logits" level:
-``loss(x, t)``). Peers that are not installed are reported as unavailable rows, and a provider
-that raises (missing kernels, OOM, a compile error) becomes an error row: the harness catches it.
-
-Providers that write into their logits input (Liger's cross entropy, crossentropy-triton, cce with
-``inplace_backward=True``) declare ``fresh_input``: the harness hands them a fresh copy per call,
-made outside the timed region (and checks after every provider that the shared inputs are intact).
-"""
+"""What the harness compares: cce and the peers a user could pick instead. A :class:`Provider`
+computes a mean cross-entropy loss from hidden states and the classifier ("linear" level:
+``loss(e, c, t)``) or from logits ("logits" level: ``loss(x, t)``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 from collections.abc import Callable
@@ -29,11 +22,7 @@ MODES = (FWD, FWDBWD)
 
 @dataclasses.dataclass
 class Provider:
-    """One implementation under test.
-
-    ``make()`` is called once per run (imports, torch.compile wrappers) and returns the loss
-    function; an exception there makes every row of this provider an error row.
-    """
+    """One implementation under test; ``make()`` (called once) returns its loss function."""
 
     name: str
     level: str  # LINEAR or LOGITS
@@ -45,45 +34,27 @@ class Provider:
     nonleaf_input: bool = False  # wants the logits as a non-leaf (cce's inplace_backward)
     shift: bool = False  # computes the causal-shifted loss (logits[:-1] vs targets[1:])
     modes: tuple[str, ...] = MODES
-    # False: the provider's objective is not the plain cross entropy (a loss with an entropy
-    # bonus): its loss and gradients are timed, not compared with the reference.
-    reference: bool = True
-    _fn: Callable[..., torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    reference: bool = True  # False: another objective (timed, not compared with the reference)
 
     def unavailable(self) -> str | None:
         """Why this provider cannot run here (package missing), or None."""
-        if self.package is None:
+        if self.package is None or _version(self.package) is not None:
             return None
-        try:
-            importlib.metadata.version(self.package)
-        except importlib.metadata.PackageNotFoundError:
-            return f"{self.package} is not installed"
-        return None
+        return f"{self.package} is not installed"
 
+    @functools.cached_property
     def fn(self) -> Callable[..., torch.Tensor]:
-        if self._fn is None:
-            self._fn = self.make()
-        return self._fn
+        return self.make()
 
 
-# --- linear level: loss(e [N, D], c [V, D], t [N]) --------------------------------------------
-
-
-def _cce(**kw):
-    def make():
-        import cce
-
-        return lambda e, c, t: cce.linear_cross_entropy(e, c, t, **kw)
-
-    return make
-
-
-def _cce_tuned(**tuning):
-    """cce with Tuning(**tuning)."""
+def _cce(entry: str = "linear_cross_entropy", tuning: dict | None = None, **kw):
+    """make() of ``cce.<entry>(..., **kw)``, or of the linear entry with ``cce.Tuning(**tuning)``."""
 
     def make():
         import cce
 
+        if tuning is None:
+            return functools.partial(getattr(cce, entry), **kw)
         opts = cce.CCEOptions(tuning=cce.Tuning(**tuning))
         return lambda e, c, t: cce.linear_cross_entropy_with_options(e, c, t, None, None, opts)
 
@@ -115,28 +86,20 @@ def _torch_linear(e, c, t):
 
 def _compiled(fn):
     def make():
-        _raise_recompile_limit()
+        # Every (shape, mode) is a new specialization: past the default limit (8) dynamo runs eager.
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 256))
         return torch.compile(fn, dynamic=False)
 
     return make
 
 
-def _raise_recompile_limit() -> None:
-    # Every (shape, mode) is a new specialization of the same code object: the default limit (8)
-    # would silently fall back to eager after a few shapes.
-    cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(cfg, name):
-            setattr(cfg, name, max(getattr(cfg, name), 256))
-
-
 class _ChunkedCE(torch.autograd.Function):
-    """Mean cross entropy of ``e @ c.T`` over ``chunks`` row chunks, logits upcast per chunk.
-
-    Only one chunk's logits exist at a time, in forward and in backward (which recomputes them):
-    the usual "chunked cross entropy" of fine-tuning libraries, with dC accumulated over chunks
-    in c's dtype (as autograd would when c is used once per chunk).
-    """
+    """Mean cross entropy of ``e @ c.T`` over ``chunks`` row chunks, logits upcast per chunk and
+    recomputed in the backward (the "chunked cross entropy" of fine-tuning libraries); dC is
+    accumulated over the chunks in c's dtype."""
 
     @staticmethod
     def forward(ctx, e, c, t, chunks, ignore_index):
@@ -173,15 +136,11 @@ class _ChunkedCE(torch.autograd.Function):
         return de, dc, None, None, None
 
 
-def _chunked8(e, c, t):
-    return _ChunkedCE.apply(e, c, t, 8, -100)
-
-
 def _apple(impl: str):
     def make():
         from cut_cross_entropy import linear_cross_entropy
 
-        return lambda e, c, t: linear_cross_entropy(e, c, t, impl=impl)
+        return functools.partial(linear_cross_entropy, impl=impl)
 
     return make
 
@@ -193,18 +152,6 @@ def _liger_flce():
     return lambda e, c, t: mod(c, e, t)
 
 
-# --- logits level: loss(x [N, V], t [N]) ------------------------------------------------------
-
-
-def _cce_ce(**kw):
-    def make():
-        import cce
-
-        return lambda x, t: cce.cross_entropy(x, t, **kw)
-
-    return make
-
-
 def _torch_ce(x, t):
     return F.cross_entropy(x.float(), t)
 
@@ -212,8 +159,7 @@ def _torch_ce(x, t):
 def _liger_ce():
     from liger_kernel.transformers import LigerCrossEntropyLoss
 
-    mod = LigerCrossEntropyLoss()
-    return lambda x, t: mod(x, t)
+    return LigerCrossEntropyLoss()
 
 
 def _crossentropy_triton():
@@ -229,66 +175,51 @@ def all_providers() -> list[Provider]:
     return [
         P("cce", LINEAR, _cce(), "cce.linear_cross_entropy (defaults: filter_eps='auto')"),
         P("cce-exact", LINEAR, _cce(filter_eps=None), "cce, filter_eps=None (no gradient filtering)"),
-        P("cce-recompute", LINEAR, _cce_tuned(backward="recompute"),
-          "cce, filtered backward that recomputes every tile",
-          needs_cuda=True, modes=(FWDBWD,)),
-        P("cce-sparse", LINEAR, _cce_tuned(dense_slabs=False),
-          "cce, Tuning(dense_slabs=False): the sparse backward without dense slabs", needs_cuda=True,
-          modes=(FWDBWD,)),
-        P("cce-no-fo", LINEAR, _cce_tuned(first_order=False),
-          "cce, Tuning(first_order=False): dense slabs without the first-order corrections",
-          needs_cuda=True, modes=(FWDBWD,)),
-        P("cce-dense-kept", LINEAR, _cce_tuned(slab_error=1.0), "cce, dense slabs by the kept rule only",
-          needs_cuda=True, modes=(FWDBWD,)),
-        P("cce-unfused", LINEAR, _cce_tuned(fused=False),
-          "cce, Tuning(fused=False): exact gradients by the four-pass exact backward, not in the forward",
-          needs_cuda=True, modes=(FWDBWD,)),
+        P("cce-sparse", LINEAR, _cce(tuning=dict(dense_slabs=False)), "cce, Tuning(dense_slabs=False): the "
+          "sparse backward without dense slabs", needs_cuda=True, modes=(FWDBWD,)),
         P("cce-torch", LINEAR, _cce(impl="torch"), "cce, impl='torch' (chunked PyTorch)"),
-        P("cce-outputs", LINEAR, _cce_outputs,
-          "cce with every per-token output (log-probs, entropy, argmax, accuracy; issue 18)"),
+        P("cce-outputs", LINEAR, _cce_outputs, "cce with every per-token output (log-probs, entropy, ...)"),
         P("cce-entropy-bonus", LINEAR, _cce_entropy_bonus,
-          "cce, loss - 0.01 * entropy.mean() (issue 18; not compared with the reference)", modes=(FWDBWD,),
+          "cce, loss - 0.01 * entropy.mean() (not compared with the reference)", modes=(FWDBWD,),
           reference=False),
         P("torch", LINEAR, lambda: _torch_linear, "F.cross_entropy((e @ c.T).float(), t), eager"),
         P("torch-compile", LINEAR, _compiled(_torch_linear), "the same under torch.compile"),
-        P("chunked8", LINEAR, lambda: _chunked8, "8 row chunks, logits upcast per chunk, recomputed in bwd"),
+        P("chunked8", LINEAR, lambda: lambda e, c, t: _ChunkedCE.apply(e, c, t, 8, -100),
+          "8 row chunks, logits upcast per chunk, recomputed in bwd"),
         P("apple-cce", LINEAR, _apple("cce"), "cut_cross_entropy.linear_cross_entropy, impl='cce'",
           package="cut-cross-entropy", needs_cuda=True),
         P("apple-cce-compile", LINEAR, _apple("torch_compile"), "cut_cross_entropy, impl='torch_compile'",
           package="cut-cross-entropy", needs_cuda=True),
         P("liger-flce", LINEAR, _liger_flce, "LigerFusedLinearCrossEntropyLoss", package="liger-kernel",
           needs_cuda=True),
-        P("cce-ce", LOGITS, _cce_ce(), "cce.cross_entropy"),
-        P("cce-ce-inplace", LOGITS, _cce_ce(inplace_backward=True),
+        P("cce-ce", LOGITS, _cce("cross_entropy"), "cce.cross_entropy"),
+        P("cce-ce-inplace", LOGITS, _cce("cross_entropy", inplace_backward=True),
           "cce.cross_entropy, inplace_backward=True", fresh_input=True, nonleaf_input=True, modes=(FWDBWD,)),
         P("torch-ce", LOGITS, lambda: _torch_ce, "F.cross_entropy(x.float(), t), eager"),
         P("torch-ce-compile", LOGITS, _compiled(_torch_ce), "the same under torch.compile"),
         P("liger-ce", LOGITS, _liger_ce, "LigerCrossEntropyLoss (writes the gradient into its input)",
           package="liger-kernel", needs_cuda=True, fresh_input=True),
-        P("crossentropy-triton", LOGITS, _crossentropy_triton,
-          "crossentropy_triton.CrossEntropyFunction (built-in causal shift; at batch 1 the shifted view is "
-          "contiguous, so it writes the gradient into its input)", package="crossentropy-triton",
+        P("crossentropy-triton", LOGITS, _crossentropy_triton, "crossentropy_triton.CrossEntropyFunction "
+          "(built-in causal shift; writes the gradient into its input)", package="crossentropy-triton",
           needs_cuda=True, shift=True, fresh_input=True),
     ]  # fmt: skip
 
 
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def versions(providers: list[Provider]) -> dict[str, str | None]:
     """Versions of torch, triton, cce and every peer package (None: not installed)."""
-    out: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    for dist in ("triton", "cce", "matplotlib"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    out.update({d: _version(d) for d in ("triton", "cce", "matplotlib")})
     if out["cce"] is None:  # run from a checkout without installing
         try:
             out["cce"] = getattr(importlib.import_module("cce"), "__version__", None)
         except Exception:  # noqa: BLE001 - a broken cce is reported by its rows
             pass
-    for p in providers:
-        if p.package and p.package not in out:
-            try:
-                out[p.package] = importlib.metadata.version(p.package)
-            except importlib.metadata.PackageNotFoundError:
-                out[p.package] = None
+    out.update({p.package: _version(p.package) for p in providers if p.package})
     return out

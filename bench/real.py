@@ -1,25 +1,11 @@
-"""The ``real`` and ``init`` data regimes: final hidden states and output layer of a small GPT.
+"""The ``real`` and ``init`` data regimes: final hidden states and output layer of a small GPT, whose
+probable tokens depend on the context (a trained model) or hardly at all (an untrained one).
 
-Synthetic regimes put every row's probable tokens in the same place (zipf: the globally
-frequent ones; random: nowhere). Hidden states of a model trained on real text have
-context-specific probable tokens, and an untrained model's softmax is near-uniform. So, inside
-the benchmark run:
-
-1. text: source code and documentation shipped with the installed Python packages (``.py``,
-   ``.md``, ``.rst``, ``.txt`` under site-packages, in sorted path order), up to
-   ``CORPUS_BYTES``; no download;
-2. a byte-level BPE tokenizer (the ``tokenizers`` package) learned on it with ``V`` entries (the
-   classifier has exactly V rows; merges the text cannot support leave rows that no target uses,
-   as in real vocabularies);
-3. a GPT of width D (pre-norm transformer blocks, learned positions, untied head) trained for
-   ``steps`` steps on 95% of the token stream with cce's own loss, AdamW, bf16 autocast
-   (``real``), or left at its initialisation (``init``);
-4. the measurement rows: the final (normed) hidden states of N held-out tokens and their next
-   tokens as targets, the head's weight as the classifier, in ``dtype``; every
-   ``ignore_every``-th target ignored as in the other regimes.
-
-Deterministic for a seed on one device (up to the nondeterminism of GPU training kernels). One
-model per (D, V, seed, steps) per process: the matrix reuses it for every N.
+Inside the run, without downloads: the ``.py``, ``.md``, ``.rst``, ``.txt`` files under
+site-packages (sorted, up to ``CORPUS_BYTES``); a byte-level BPE of ``V`` entries learned on them; a
+GPT of width D trained ``steps`` steps on 95% of the tokens with cce's loss (``real``) or left at
+init (``init``); the rows: hidden states of N held-out tokens, their next tokens as targets, the
+head's weight as the classifier.
 """
 
 from __future__ import annotations
@@ -113,43 +99,23 @@ class TinyGPT(nn.Module):
         return self.norm(x)
 
 
-def _layers(D: int) -> int:
-    # Depth for a few hundred steps within a benchmark run: shallower as D grows.
-    return 6 if D <= 1024 else 4 if D <= 2304 else 2
+_LAST: dict = {}  # the last trained model, by its arguments
 
 
-def _batch(D: int) -> int:
-    # Sequences per training step. Past D = 4096 (llama3-70b's 8192: 3.7e9 parameters even at
-    # two blocks) a quarter of them: 300 steps of 64 x 256 tokens took over 200 s there and
-    # AdamW's state with the activations of 16384 tokens filled most of an 80 GB GPU.
-    return 64 if D <= 4096 else 16
-
-
-def trained_model(
-    D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int = CORPUS_BYTES
-) -> tuple[TinyGPT, torch.Tensor]:
-    """(model, held-out ids): a TinyGPT of width D over the BPE stream of vocabulary V, trained
-    for ``steps`` AdamW steps (batch _batch(D) x 256 tokens) with cce's loss; steps 0 leaves it at init.
-
-    Only trained models are cached, one at a time (training is what costs; an untrained one is
-    rebuilt from its seed): at D = 8192 a model holds ~15 GB of fp32 weights, and AdamW's training
-    needs four times that, so a second cached model left no room for it on an 80 GB GPU."""
+def trained_model(D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int = CORPUS_BYTES):
+    """(model, held-out ids): a TinyGPT of width D over the BPE stream of vocabulary V, trained for
+    ``steps`` AdamW steps with cce's loss (0: at init). Only the last trained model is cached: two
+    large ones would not fit on the GPU beside the training of the next."""
+    key = (D, V, steps, seed, device, corpus_bytes)
     if steps <= 0:
-        return _build(D, V, 0, seed, device, corpus_bytes)
-    return _trained(D, V, steps, seed, device, corpus_bytes)
+        return _build(*key)
+    if key not in _LAST:
+        _LAST.clear()  # the previous model goes before this one is built
+        _LAST[key] = _build(*key)
+    return _LAST[key]
 
 
-@lru_cache(maxsize=1)
-def _trained(
-    D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int
-) -> tuple[TinyGPT, torch.Tensor]:
-    _trained.cache_clear()  # the previous model goes before this one is built
-    return _build(D, V, steps, seed, device, corpus_bytes)
-
-
-def _build(
-    D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int
-) -> tuple[TinyGPT, torch.Tensor]:
+def _build(D: int, V: int, steps: int, seed: int, device: str, corpus_bytes: int):
     import cce
 
     ids = tokenized(V, corpus_bytes)
@@ -157,19 +123,17 @@ def _build(
     train, held = ids[:split], ids[split:]
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    # Built on the device: at D = 8192 the CPU took tens of seconds to initialise its 3.7e9
-    # parameters, once per cell of the init regime. (The device's generator draws them, so
-    # they differ from a CPU build of the same seed.)
     with torch.device(device):
-        model = TinyGPT(V, D, _layers(D))
+        model = TinyGPT(V, D, layers=6 if D <= 1024 else 4 if D <= 2304 else 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * min(1.0, 768 / D), weight_decay=0.1)
     dev = torch.device(device)
     warmup = max(1, min(50, steps // 10))
+    batch = 64 if D <= 4096 else 16  # sequences per step: fewer where AdamW's state is large
     for step in range(steps):
         lr_scale = min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
             group["lr"] = 1e-3 * min(1.0, 768 / D) * lr_scale
-        starts = torch.randint(0, len(train) - SEQ - 1, (_batch(D),), generator=g)
+        starts = torch.randint(0, len(train) - SEQ - 1, (batch,), generator=g)
         chunk = torch.stack([train[s : s + SEQ + 1] for s in starts.tolist()]).to(dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             h = model.hidden(chunk[:, :-1])
@@ -178,26 +142,12 @@ def _build(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    # The last step's gradients and AdamW's state are not needed to read hidden states.
-    del opt
     model.zero_grad(set_to_none=True)
     return model.eval(), held
 
 
-def real_inputs(
-    N: int,
-    D: int,
-    V: int,
-    *,
-    trained: bool = True,
-    steps: int = 300,
-    corpus_bytes: int = CORPUS_BYTES,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    seed: int = 0,
-    ignore_every: int = 17,
-    ignore_index: int = -100,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def real_inputs(N: int, D: int, V: int, *, trained=True, steps=300, corpus_bytes=CORPUS_BYTES,
+                dtype=torch.bfloat16, device="cpu", seed=0, ignore_every=17):  # fmt: skip
     """(e [N, D], c [V, D], targets [N]) from the held-out text: the ``real`` regime, or the
     ``init`` one with ``trained=False``."""
     dev = str(torch.device(device))
@@ -211,5 +161,5 @@ def real_inputs(
     t = stream[:, 1:].reshape(-1)
     e, t = e[:N].to(dtype).contiguous(), t[:N].clone()
     if ignore_every > 0:
-        t[::ignore_every] = ignore_index
+        t[::ignore_every] = -100
     return e, model.head.weight.detach().to(dtype).contiguous(), t
