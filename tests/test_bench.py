@@ -1,7 +1,8 @@
 """CPU smoke test of the benchmark harness (bench/): tiny shapes, torch providers only.
 
-Checks the data regimes' definitions, the JSON schema, the fp32 references against autograd, and
-that a failing provider becomes a row with its error while the run goes on.
+Checks the data regimes' definitions, the JSON schema, the fp32 references against autograd, that a
+failing provider becomes a row with its error while the run goes on, the matrix, the plots and the
+CPU comparison (bench/cpu_compare.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 
 from bench import data
 from bench.__main__ import build_parser, config_from_args
-from bench.harness import Config, Shape, run
+from bench.data import Shape
+from bench.harness import Config, run
 from bench.providers import FWD, FWDBWD, LINEAR, LOGITS, Provider, all_providers
 from bench.reference import linear_reference, logits_reference
 
@@ -233,21 +235,23 @@ def test_check_modes_parse():
         build_parser().parse_args(["--check", "nothing"])
 
 
-def test_real_and_init_regimes_tiny():
-    """bench/real.py on the CPU at toy size: a BPE over installed packages' text, a TinyGPT
-    trained a few steps (real) or not (init); held-out rows, targets in range or ignored, and
-    training lowers the held-out loss."""
+def test_real_and_init_regimes_tiny(monkeypatch):
+    """bench/real.py on the CPU at toy size (sequences of 32 tokens): a BPE over installed packages'
+    text, a TinyGPT trained a few steps (real) or not (init); held-out rows, targets in range or
+    ignored, and training lowers the held-out loss."""
     pytest.importorskip("tokenizers")
-    from bench.real import real_inputs
+    from bench import real
 
-    kw = dict(steps=60, corpus_bytes=1 << 20, dtype=torch.float32, device="cpu", seed=0)
+    monkeypatch.setattr(real, "SEQ", 32)
+    monkeypatch.setattr(real, "_LAST", {})
+    kw = dict(steps=12, corpus_bytes=1 << 19, dtype=torch.float32, device="cpu", seed=0)
     losses = {}
     for trained in (False, True):
-        e, c, t = real_inputs(300, 32, 600, trained=trained, **kw)
+        e, c, t = real.real_inputs(300, 32, 600, trained=trained, **kw)
         assert e.shape == (300, 32) and c.shape == (600, 32) and t.shape == (300,)
         assert (t[::17] == -100).all() and ((t >= 0) & (t < 600)).sum() == 300 - len(t[::17])
         losses[trained] = float(F.cross_entropy(e @ c.T, t))
-    assert losses[True] < losses[False] - 0.5, losses
+    assert losses[True] < losses[False] - 0.1, losses
 
 
 def test_matrix_config_and_summary():
@@ -399,3 +403,32 @@ def test_resume_runs_only_the_missing_rows(tmp_path, one_thread, monkeypatch):
         )
     )
     assert third["rows"] == first["rows"] and made == []  # every row there: no inputs made
+
+
+def test_cpu_compare_child_and_summary(tmp_path, monkeypatch, capsys):
+    """bench/cpu_compare.py: a child process's measurement (the cheapest provider, run in this
+    process), and the parent's rounds, table and JSON from its children's lines."""
+    import subprocess
+
+    from bench import cpu_compare
+
+    res = cpu_compare._child("matmul", "peaked", 1)
+    assert res["provider"] == "matmul" and len(res["times_s"]) == 1 and res["median_s"] > 0
+    calls = []
+
+    def child(cmd, **kw):
+        p = cmd[cmd.index("--child") + 1]
+        calls.append(p)
+        line = json.dumps(dict(provider=p, median_s=2.0 if p == "torch_chunked" else 1.0, times_s=[1.0],
+                               peak_rss_growth_mb=10.0, loss=0.5))  # fmt: skip
+        return subprocess.CompletedProcess(cmd, 0, stdout=line + "\n", stderr="")
+
+    monkeypatch.setattr(cpu_compare.subprocess, "run", child)
+    out = tmp_path / "cpu.json"
+    argv = ["cpu_compare.py", "--rounds", "2", "--providers", "cce_torch,torch_chunked", "--json", str(out)]
+    monkeypatch.setattr(cpu_compare.sys, "argv", argv)
+    cpu_compare.main()
+    assert calls == ["cce_torch", "torch_chunked"] * 2
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["cce_torch"]["median_s"] == 1.0 and len(saved["runs"]["torch_chunked"]) == 2
+    assert "cce_torch" in capsys.readouterr().out
