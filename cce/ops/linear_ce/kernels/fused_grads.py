@@ -11,9 +11,10 @@ formed while a row chunk's logits are in memory, and the backward only scales th
                           dC  (+)= dZ^T @ E_c       cuBLAS                [V, D]   (pass 3)
 
 against four passes of the exact backward (forward, dZ recompute, two products). The price is
-memory: one chunk of fp32 logits (``chunk_bytes``) and, past FUSED_DIRECT_CHUNKS chunks, an
-fp32 dC accumulator (up to that many, dC accumulates in c's dtype: one rounding per chunk); the
-dispatcher (cce._dispatch.fused_fits) takes this path only where those are bounded.
+memory: one chunk of fp32 logits (``chunk_bytes``), the chunk's fp32 dE rows (finished into dE
+after each chunk) and, past FUSED_DIRECT_CHUNKS chunks, an fp32 dC accumulator (up to that many,
+dC accumulates in c's dtype: one rounding per chunk); the dispatcher (cce._dispatch.fused_fits)
+takes this path only where those are bounded.
 
 Layout of the chunk buffer: fp32 rows of Vp = V rounded up to 16 classes (cce._dispatch,
 FUSED_PAD_CLASSES: 16-byte aligned rows for cuBLAS and whole vectors for the row kernel, also at
@@ -236,7 +237,6 @@ def linear_ce_fused(
     ent = torch.empty(N, dtype=f32, device=dev) if entropy else None
     amx = torch.empty(N, dtype=torch.long, device=dev) if argmax else None
     lo = torch.empty(N, dtype=f32, device=dev) if (half and (need_de or need_dbias)) else None
-    dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
     dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
     n = fused_chunk_rows(N, V, chunk_bytes)
     chunks = -(-N // n)
@@ -251,6 +251,14 @@ def linear_ce_fused(
     # The pad classes [V, Vp) are never written by the logits GEMM: the row kernel masks them
     # by value and writes their dZ as 0, which the products never read.
     buf = torch.empty((min(n, N), Vp), dtype=f32, device=dev)
+    # dE: each chunk's rows are complete after its product (the whole vocabulary is in the
+    # chunk), so they are accumulated in a chunk-sized fp32 buffer and finished into dE right
+    # away (the target remainders added, one rounding): no fp32 [N, D] buffer.
+    dE = de_buf = None
+    if need_de:
+        direct = lo is None and rows is None  # fp32 operands: the product accumulates in dE itself
+        dE = (torch.empty if rows is None else torch.zeros)((M, D), dtype=e2d.dtype, device=dev)
+        de_buf = None if direct else torch.empty((min(n, N), D), dtype=f32, device=dev)
     BLOCK_V = 32 if interpreting() else 1024
     with device_context(dev):
         for s in range(0, N, n):
@@ -269,41 +277,44 @@ def linear_ce_fused(
             dz = dzb[:, :V]
             if dbias is not None:
                 dbias += torch.sum(dz, 0, dtype=f32)
-            dE_c = None if dE is None else dE[s:t]
+            dE_c = None
+            if dE is not None:
+                dE_c = (dE[s:t] if de_buf is None else de_buf[: t - s]).zero_()
             for k0, k1 in aligned_parts(V):
                 slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dC, k0, None, accumulate_dc=s > 0)
+            if de_buf is not None:
+                r = None if rows is None else rows[s:t]
+                if lo is not None:
+                    _finish_de(dE_c, lo[s:t], c, safe_t[s:t], r, s, dE)
+                else:
+                    dE.index_copy_(0, r, dE_c)
     if dbias is not None and lo is not None:
         dbias.index_add_(0, safe_t, lo)
-    if dE is not None and lo is not None:
-        dE = _finish_de(dE, lo, c, safe_t, rows, M, e2d.dtype)
-    elif dE is not None and rows is not None:
-        dE = torch.zeros((M, D), dtype=e2d.dtype, device=dev).index_copy_(0, rows, dE.to(e2d.dtype))
-    elif dE is not None:
-        dE = dE.to(e2d.dtype)
     if f32_acc and dC is not None:
         dC = dC.to(c.dtype)
     return FusedOut(lse, tgt, ssum, dE, dC, dbias, ent, amx)
 
 
-# out[rows[i]] = round(dE_i + lo_i c[t_i]) (rows None: out[i]): the target entries' rounding
-# remainders added in fp32 and dE rounded to the operands' dtype, in one pass over dE.
+# out[rows[i]] = round(dE_i + lo_i c[t_i]) (rows None: out[row0 + i]) for the rows i of one
+# chunk: the target entries' rounding remainders added in fp32 and dE rounded to the operands'
+# dtype, in one pass over the chunk's fp32 dE.
 @cached_launch
 @triton.heuristics({"HAS_ROWS": lambda a: a["Rows"] is not None})
 @triton.jit
 def _finish_de_kernel(
-    DE,  # [N, D] fp32, contiguous
-    Lo,  # [N] fp32
+    DE,  # [n, D] fp32, contiguous: the chunk's rows
+    Lo,  # [n] fp32
     C,  # [V, D]
-    Tgt,  # [N] int64 (a valid class at every row)
-    Rows,  # [N] int64 output row of each problem row, or None
+    Tgt,  # [n] int64 (a valid class at every row)
+    Rows,  # [n] int64 output row of each chunk row, or None (then row0 + i)
     Out,  # [M, D] operands' dtype, contiguous
-    D, stride_c,
+    row0, D, stride_c,
     HAS_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64)
     t = tl.load(Tgt + i).to(tl.int64)
     lo = tl.load(Lo + i)
-    r = tl.load(Rows + i).to(tl.int64) if HAS_ROWS else i
+    r = tl.load(Rows + i).to(tl.int64) if HAS_ROWS else row0 + i
     offs = tl.arange(0, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
         m = (d0 + offs) < D
@@ -312,17 +323,15 @@ def _finish_de_kernel(
         tl.store(Out + r * D + d0 + offs, x.to(Out.dtype.element_ty), mask=m)
 
 
-def _finish_de(dE, lo, c, safe_t, rows, M: int, dtype: torch.dtype) -> torch.Tensor:
-    N, D = dE.shape
-    out = (torch.empty if rows is None else torch.zeros)((M, D), dtype=dtype, device=dE.device)
-    if N:
+def _finish_de(dE, lo, c, safe_t, rows, row0: int, out: torch.Tensor) -> None:
+    """out[rows or row0 + i] = round(dE_i + lo_i c[t_i]) for the chunk rows i of dE (fp32)."""
+    n, D = dE.shape
+    if n:
         BLOCK_D = 32 if interpreting() else min(1024, triton.next_power_of_2(D))
-        with device_context(dE.device):
-            _finish_de_kernel[(N,)](
-                DE=dE, Lo=lo, C=c, Tgt=safe_t, Rows=rows, Out=out, D=D, stride_c=c.stride(0),
-                BLOCK_D=BLOCK_D, num_warps=4,
-            )  # fmt: skip
-    return out
+        _finish_de_kernel[(n,)](
+            DE=dE, Lo=lo, C=c, Tgt=safe_t, Rows=rows, Out=out, row0=row0, D=D,
+            stride_c=c.stride(0), BLOCK_D=BLOCK_D, num_warps=4,
+        )  # fmt: skip
 
 
 @cached_launch
