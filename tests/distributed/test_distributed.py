@@ -164,7 +164,7 @@ ERROR_CASES = (
 CACHE_CASES = ("cache_once", "cache_new_setup")
 # ... and a cached set-up traces under torch.compile(fullgraph=True) (impl="triton": interpreter).
 CACHE_COMPILE_CASES = ("cache_compile",)
-# A group of one rank (bench.dist's one-GPU emulation): no set-up collective; impl="triton"'s
+# A group of one rank: no set-up collective; impl="triton"'s
 # sparse backward equals the single-device call's (the same vocabulary tiles: only the per-row
 # coefficients' rounding differs); a step traces under torch.compile(fullgraph=True) (the
 # interpreter's kernels behind the custom ops; backend aot_eager: no C++ compiler needed).
