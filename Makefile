@@ -43,10 +43,10 @@ test-all: install
 	CCE_TEST_TIER=all $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not gpu" $(PYTEST_ARGS) tests
 
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q $(GPU_XDIST) -m "gpu and not slow" $(PYTEST_ARGS) tests
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pytest -q $(GPU_XDIST) -m "gpu and not slow" $(PYTEST_ARGS) tests
 
 test-gpu-all:
-	PYTHONPATH=$(CURDIR) CCE_TEST_TIER=all $(GPU_PY) -m pytest -q $(GPU_XDIST) -m gpu $(PYTEST_ARGS) tests
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} CCE_TEST_TIER=all $(GPU_PY) -m pytest -q $(GPU_XDIST) -m gpu $(PYTEST_ARGS) tests
 
 lint: install
 	$(BIN)/ruff format --check cce tests bench examples
@@ -61,14 +61,14 @@ demo: install
 
 # On a GPU host with torch preinstalled: larger model, V = 131072, bf16.
 demo-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m examples.demo --device cuda
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m examples.demo --device cuda
 
 bench:
 	@$(GPU_PY) -c "import torch; raise SystemExit(not torch.cuda.is_available())" 2>/dev/null || { \
 	  echo "make bench needs a CUDA GPU and a python with torch ($(GPU_PY)); none here."; \
 	  echo "On the CPU: make bench-cpu (impl='torch' against PyTorch's chunked linear cross entropy)."; \
 	  exit 1; }
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench $(BENCH_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m bench $(BENCH_ARGS)
 
 bench-cpu: install
 	$(PYTHON) bench/cpu_compare.py

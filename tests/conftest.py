@@ -8,13 +8,69 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The tiers (README, "Commands"): `make test` runs the default one, `make test-all` sets
+# CCE_TEST_TIER=all. The default tier's properties are derandomized (the same examples every
+# run, so a red run reproduces) with the counts of tests/helpers.examples; the thorough tier
+# draws fresh examples, as many as each property asks for.
+settings.register_profile(
+    "cce-default", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("cce-all", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("cce-all" if os.environ.get("CCE_TEST_TIER") == "all" else "cce-default")
+
+
+# The heaviest CPU tests in the interpreter (seconds each on 2 cores): the tests below keep one
+# case in the default tier (the case id given, or the first case when None), which runs the same
+# kernels as the others; their other cases, and the tests of THOROUGH_ONLY, run in the thorough
+# tier (they are marked `slow`). Tests marked `slow` in their own files add to these.
+ONE_CASE = {
+    "test_dense_slabs.py::test_all_dense_is_exact": None,
+    "test_dense_slabs.py::test_slab_errors_against_float64": None,
+    "test_dense_slabs.py::test_flags_follow_the_rule": "0.1-2.0-1",
+    "test_dense_slabs.py::test_slab_products_against_float64": "300-64-33",
+    "test_triton_sparse.py::test_sparse_public_api_vs_exact": "opts2-dtype0",
+    "test_triton_sparse.py::test_backward_reads_the_forwards_orders": None,
+    "test_triton_sparse.py::test_sparse_entropy_term_within_stated_bound": "plain",
+    "test_triton_sparse.py::test_stash_layout_gives_the_same_gradients": "dtype3-6-False",
+    "test_triton_sparse.py::test_sparse_filter_sound_and_within_stated_bound": "softcap=3.0",
+    "test_triton_sparse.py::test_minus_inf_bias_masking_whole_tiles": None,
+    "test_triton_sparse.py::test_encoded_tile_statistics": None,
+    "test_triton_linear.py::test_default_filter_close_to_exact": None,
+}
+THOROUGH_ONLY = {
+    # the dense-slab error rule's statistical tests (the rule's code runs in test_flags_follow_the_rule)
+    "test_dense_slabs.py::test_error_rule_on_near_uniform_rows",
+    "test_dense_slabs.py::test_error_rule_meets_its_target_when_every_row_is_sampled",
+    # mixed dense and sparse slabs (the dense slabs' kernels run in test_all_dense_is_exact)
+    "test_dense_slabs.py::test_mixed_slabs_exact_where_dense",
+    # the size rule end to end (the rule itself: test_triton_fused.py::test_fused_dispatch)
+    "test_triton_linear.py::test_exact_below_sparse_min_flops",
+    # the outputs' gradients in the sparse backward (also test_triton_logprobs_are_minus_the_loss)
+    "test_token_outputs.py::test_triton_outputs_keep_the_sparse_backward",
+}
+
+
+def _case_id(item) -> str | None:
+    return item.callspec.id if hasattr(item, "callspec") else None
+
 
 def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    kept: dict[str, str | None] = {}
+    for item in items:
+        key = f"{item.path.name}::{item.originalname}"
+        if key in THOROUGH_ONLY:
+            item.add_marker(slow)
+        elif key in ONE_CASE:
+            want = ONE_CASE[key] or kept.setdefault(key, _case_id(item))
+            if _case_id(item) != want:
+                item.add_marker(slow)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (make test-gpu)")

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from cce.reference import linear_cross_entropy_reference
+
+# `make test-all` (CCE_TEST_TIER=all): the thorough tier, see tests/conftest.py.
+THOROUGH = os.environ.get("CCE_TEST_TIER") == "all"
+
+
+def examples(thorough: int, default: int) -> int:
+    """A hypothesis property's example count: ``thorough`` in the thorough tier, ``default`` in
+    the default one (each example of a kernel property runs the Triton interpreter)."""
+    return thorough if THOROUGH else default
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

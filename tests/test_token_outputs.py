@@ -26,14 +26,14 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cce
 import cce.reference
 from cce.outputs import LossOutputs
 from cce.reference import linear_cross_entropy_reference
-from tests.helpers import tuned
+from tests.helpers import examples, tuned
 
 U32 = 2.0**-24
 OUTPUTS = ("lse", "logprobs", "entropy")  # the differentiable per-token outputs
@@ -140,7 +140,7 @@ def _inputs(lead, D, V, with_bias, ignore, seed, scale=2.0):
     return e, c, t, b
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60, 12))
 @given(problems())
 def test_outputs_and_gradients_against_oracle(problem):
     """Every output and the gradients through all of them equal the fp64 oracle within the
@@ -262,7 +262,7 @@ def test_compiles_fullgraph():
         torch.testing.assert_close(x, y)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40, 10))
 @given(problems(), st.booleans())
 def test_logits_level_against_oracle(problem, inplace):
     """cce.cross_entropy (logits level, impl="torch"): every output and the gradient through all
@@ -272,7 +272,7 @@ def test_logits_level_against_oracle(problem, inplace):
     _check_logits_level(problem, inplace, "torch")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25, 6))
 @given(problems(), st.booleans(), st.sampled_from([1, 2]))
 def test_triton_logits_level_against_oracle(problem, inplace, splits):
     """The same with impl="triton" (the interpreter): fp32 logits (multiples of 1/2, exact in
@@ -386,7 +386,11 @@ def _check_logits_level(problem, inplace, impl):
         (None, cce.Tuning()),  # the exact backward
         (2.0**-12, cce.Tuning(backward="recompute")),
         (2.0**-12, cce.Tuning(backward="sparse", dense_slabs=False)),
-        (2.0**-12, cce.Tuning(backward="sparse", sparse_min_flops=0, dense_slab_bytes=16 * 64 * 4)),
+        pytest.param(
+            2.0**-12,
+            cce.Tuning(backward="sparse", sparse_min_flops=0, dense_slab_bytes=16 * 64 * 4),
+            marks=pytest.mark.slow,  # dense slabs of 16 x 64 classes: many interpreter launches
+        ),
     ],
 )
 def test_triton_logprobs_are_minus_the_loss(filter_eps, tuning):
@@ -484,7 +488,7 @@ def exact_logit_problems(draw):
     return N, D, V, opts, with_bias, ignore, draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25, 6))
 @given(exact_logit_problems())
 def test_triton_outputs_and_gradients_against_oracle(problem):
     """impl="triton" (the interpreter): the temperature, entropy, argmax and accuracy, and the
@@ -601,6 +605,7 @@ def test_triton_outputs_keep_the_sparse_backward(monkeypatch):
         assert rel_err_(y0, y) > 0.1  # the entropy's term is a large part of the gradient here
 
 
+@pytest.mark.slow
 def test_triton_walks_several_tiles_per_split(monkeypatch):
     """A problem with several vocabulary tiles per program (the interpreter's 32-class tiles, 8
     "SMs": 13 token blocks of 16 share 64 programs, so about 4 of the 22 tiles each; the fused

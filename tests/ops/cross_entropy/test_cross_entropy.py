@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err, tuned_ce
-from hypothesis import HealthCheck, given, settings
+from helpers import examples, rel_err, tuned_ce
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cce import CausalLMLoss, CrossEntropyLoss, cross_entropy
@@ -97,7 +97,7 @@ options = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60, 15))
 @given(
     opts=options,
     B=st.integers(1, 3),
@@ -189,7 +189,7 @@ def test_triton_interpreter_matches_oracle(name, dtype, lead, V, opts):
     check(x, t, impl="triton", inplace=inplace, **opts)
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25, 6))
 @given(
     opts=options,
     rows=st.integers(1, 6),

@@ -33,6 +33,7 @@ from cce._dispatch import (
 )
 from tests.helpers import (
     compare_with_reference,
+    examples,
     make_linear_inputs,
     rel_err,
     spread_logits_problem,
@@ -92,7 +93,9 @@ def _spy(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
+# Two chunks in the default tier (the first chunk writes dC, the second accumulates into it);
+# one chunk in the thorough tier.
+@pytest.mark.parametrize("chunks", [pytest.param(1, marks=pytest.mark.slow), 2])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
 def test_fused_vs_oracle(opts, chunks, monkeypatch):
     opts = dict(opts)
@@ -244,6 +247,7 @@ def test_fused_dispatch_small_vocabulary():
             Tuning(sparse_min_classes=bad)
 
 
+@pytest.mark.slow  # the rule itself: test_fused_dispatch_small_vocabulary
 def test_fused_small_vocabulary_end_to_end():
     """The launcher passes V to the rule: with sparse_min_classes above V a heavily filtered call
     (filter_eps 0.25, random logits: nearly every tile skipped) gives the fused path's exact
@@ -289,7 +293,7 @@ def test_fused_half_operands_rows():
         assert rel_err(x.float(), y) <= 5e-3
 
 
-@settings(SETTINGS, max_examples=25)
+@settings(SETTINGS, max_examples=examples(25, 6))
 @given(p=problems(dtypes=(torch.float32,)), rows=st.sampled_from([None, 1, 5]))
 def test_fused_property_vs_oracle(p, rows):
     """Random small problems (shapes, every option, ignored rows, partial requires_grad) with a
