@@ -80,7 +80,7 @@ THOROUGH_ONLY = {
     "test_dc_estimate.py::test_dc_rule_meets_its_target_when_every_row_is_sampled",
     "test_dc_estimate.py::test_dc_estimates_from_sampled_rows",
     # host gating's late first-order flag and the options' bit-for-bit cases (minutes each in the
-    # interpreter; test_same_gradients_bit_for_bit keeps one case, the GPU tier runs the rest)
+    # interpreter; test_same_gradients_bit_for_bit keeps one case in the default tier)
     "test_host_gating.py::test_first_order_flag_arriving_after_the_plan",
     "test_host_gating.py::test_same_gradients_bit_for_bit_with_options",
 }
