@@ -157,32 +157,45 @@ def linear_backward(
     return "sparse"
 
 
-# The fused exact path forms dZ from fp32 logits in memory: about 12 bytes of memory traffic
-# per logit more than the exact backward (the logits written in fp32 and read twice), against one
-# matmul pass (2 D flops per logit) less. At an H100's ~200 flops per byte of bandwidth that pays
-# from D ~ 1000 on; below, only where the step is small enough to be bound by the host's launches,
-# of which the fused path issues half (docs/benchmarks.md, "The fused exact path").
+# The fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) stores q per logit in the
+# operands' dtype and rewrites it as dZ: about 4 bytes of memory traffic per logit (16-bit
+# operands) more than the exact backward's dZ slabs, against one matmul pass (2 D flops per
+# logit) less. At an H100's ~200 flops per byte of bandwidth that pays from D ~ 400 on; the rule
+# below was measured with the earlier fp32-logit chunk (12 bytes per logit more: D >= 1024, or
+# small steps bound by the host's launches, of which the fused path issues about half).
 FUSED_MIN_D = 1024
 FUSED_HOST_BOUND_LOGITS = 1 << 29
 
 
 def fused_fits(
-    tuning: Tuning, reduction: str, dtype: torch.dtype, N: int, V: int, D: int, need_grad: bool
+    tuning: Tuning,
+    reduction: str,
+    dtype: torch.dtype,
+    N: int,
+    V: int,
+    D: int,
+    need_grad: bool,
+    softcap: float = 0.0,
+    label_smoothing: float = 0.0,
 ) -> bool:
     """Whether the fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) serves a training
     step where the exact backward would run: the upstream gradient is a scalar (reduction "mean"
     or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
     of a "mean" falls below its normal range); it is the faster one (D >= FUSED_MIN_D, or at most
-    FUSED_HOST_BOUND_LOGITS logits); and its memory is bounded: the logits come in at most
+    FUSED_HOST_BOUND_LOGITS logits); not softcap with label smoothing (whose smoothing term needs
+    the softcap's derivative per entry); and its memory is bounded: the logits come in at most
     FUSED_DIRECT_CHUNKS chunks of ``tuning.fused_chunk_bytes`` (dC accumulates in its own dtype),
     or the fp32 dC accumulator that more chunks need (V D 4 bytes) fits that budget too."""
     if not (tuning.fused and need_grad and reduction in ("mean", "sum")):
+        return False
+    if softcap > 0 and label_smoothing > 0:
         return False
     if dtype not in (torch.bfloat16, torch.float32):
         return False
     if D < FUSED_MIN_D and N * V > FUSED_HOST_BOUND_LOGITS:
         return False
-    return fused_chunks(tuning, N, V) <= FUSED_DIRECT_CHUNKS or 4 * V * D <= tuning.fused_chunk_bytes
+    chunks = fused_chunks(tuning, N, V, dtype.itemsize)
+    return chunks <= FUSED_DIRECT_CHUNKS or 4 * V * D <= tuning.fused_chunk_bytes
 
 
 # dC of the fused path over several row chunks: up to this many chunks it accumulates in c's
@@ -192,30 +205,30 @@ def fused_fits(
 FUSED_DIRECT_CHUNKS = 4
 
 
-# Rows of the fused path's chunk buffer: fp32 logits padded to a multiple of this many classes
-# (16-byte aligned rows for cuBLAS; the row kernel's loads and stores come in whole vectors,
-# also at odd V).
+# Rows of the fused path's chunk buffer: q (then dZ) padded to a multiple of this many classes
+# (16-byte aligned rows for cuBLAS, also at odd V).
 FUSED_PAD_CLASSES = 16
 
 
 def fused_padded_classes(V: int) -> int:
-    """The fused chunk buffer's row length, in fp32 classes."""
+    """The fused chunk buffer's row length, in classes."""
     return -(-V // FUSED_PAD_CLASSES) * FUSED_PAD_CLASSES
 
 
-def fused_chunk_rows(N: int, V: int, chunk_bytes: int) -> int:
-    """Rows per chunk of the fused path: as many fp32 logit rows (fused_padded_classes) as
-    ``chunk_bytes`` hold, at least one; balanced, so that the chunks have equal rows up to one."""
-    per = max(1, chunk_bytes // (4 * fused_padded_classes(V)))
+def fused_chunk_rows(N: int, V: int, chunk_bytes: int, itemsize: int = 4) -> int:
+    """Rows per chunk of the fused path: as many rows of ``itemsize``-byte q (the operands'
+    dtype; fused_padded_classes) as ``chunk_bytes`` hold, at least one; balanced, so that the
+    chunks have equal rows up to one."""
+    per = max(1, chunk_bytes // (itemsize * fused_padded_classes(V)))
     k = -(-max(N, 1) // per)
     return -(-max(N, 1) // k)
 
 
-def fused_chunks(tuning: Tuning, N: int, V: int) -> int:
+def fused_chunks(tuning: Tuning, N: int, V: int, itemsize: int = 4) -> int:
     """The fused path's row chunks."""
-    return -(-max(N, 1) // fused_chunk_rows(N, V, tuning.fused_chunk_bytes))
+    return -(-max(N, 1) // fused_chunk_rows(N, V, tuning.fused_chunk_bytes, itemsize))
 
 
-def fused_one_chunk(tuning: Tuning, N: int, V: int) -> bool:
-    """Whether the fused path's fp32 logits (padded rows) fit one chunk."""
-    return fused_chunks(tuning, N, V) == 1
+def fused_one_chunk(tuning: Tuning, N: int, V: int, itemsize: int = 4) -> bool:
+    """Whether the fused path's q (padded rows of ``itemsize`` bytes) fits one chunk."""
+    return fused_chunks(tuning, N, V, itemsize) == 1

@@ -117,10 +117,11 @@ class Tuning:
             three matmul passes instead of four (cce/ops/linear_ce/kernels/fused_grads.py). The
             backward then only scales them; a gradient through the returned lse costs one more
             exact pass.
-        fused_chunk_bytes: bytes of the fused path's chunk of fp32 logits (rows in balanced
-            chunks); it runs only where the logits come in at most 4 chunks (dC then accumulates
-            in c's dtype, one rounding per chunk) or its fp32 dC accumulator (V x D x 4 bytes)
-            fits this budget too.
+        fused_chunk_bytes: bytes of the fused path's chunk of per-logit values in the operands'
+            dtype (rows in balanced chunks); it runs only where the logits come in at most 4
+            chunks (dC then accumulates in c's dtype, one rounding per chunk) or its fp32 dC
+            accumulator (V x D x 4 bytes) fits this budget too; not softcap with label
+            smoothing.
     """
 
     backward: Backward = "auto"
@@ -140,7 +141,7 @@ class Tuning:
     sparse_min_flops: float | None = None
     sparse_min_classes: int | None = None
     fused: bool = True
-    fused_chunk_bytes: int = 1 << 30
+    fused_chunk_bytes: int = 1 << 29
 
     def __post_init__(self) -> None:
         if self.backward not in BACKWARDS:

@@ -542,10 +542,11 @@ def linear_ce_triton(
     is part of the sparse backward (after the fused forward it runs the exact one)."""
     N, (V, D) = targets.numel(), c.shape
     flops = 2.0 * N * V * D
-    fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need_de or need_dc or need_dbias)
+    need = need_de or need_dc or need_dbias
+    fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need, softcap, label_smoothing)
     algo = linear_backward(
         tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda,
-        fused, fused_one_chunk(tuning, N, V), classes=V, temperature=temperature,
+        fused, fused_one_chunk(tuning, N, V, e2d.dtype.itemsize), classes=V, temperature=temperature,
     )  # fmt: skip
     if algo == "fused":
         out = linear_ce_triton_fused(

@@ -39,11 +39,12 @@ from .common import (
 
 @triton.jit
 def _fwd_tile(
-    L, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, offs_n, row_mask, tpos,
-    V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
+    L, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, Q, Qm, offs_n, row_mask, tpos,
+    V, n_vtiles, stride_st, stride_q, softcap, log_eps, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, EVEN_V: tl.constexpr,
-    HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr, ARGMAX: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr, ARGMAX: tl.constexpr, STORE_Q: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """One logit tile L [BLOCK_N, BLOCK_V] (fp32, before bias and softcap) into the online softmax.
 
@@ -62,6 +63,12 @@ def _fwd_tile(
     ARGMAX keeps the running max av and the smallest id among the entries reaching it (ties
     compared by id, so any walking order gives torch's first index); with STATS of the
     non-target entries only (the caller compares the target, zt, at the merge).
+
+    STORE_Q (the fused exact path, kernels/fused_grads.py; not with SORTED or STATS) writes the
+    tile's q = e^(L - m') softcap'(z) in Q's dtype, m' the running max after this tile, and m'
+    itself per (row, tile) in Qm: dZ = (alpha e^(m' - lse)) q - (target and smoothing terms)
+    once lse is known. q <= 1; its rounding is relative (bf16 has fp32's exponent range, so
+    only entries below 2^-126 of the running max flush to 0).
     """
     lo = tile * BLOCK_V
     offs_p = lo + tl.arange(0, BLOCK_V)
@@ -138,6 +145,14 @@ def _fwd_tile(
         sptr = offs_n.to(tl.int64) * stride_st + tile
         tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
         tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
+    if STORE_Q:
+        q = pe
+        if HAS_SOFTCAP:
+            q = pe * (1.0 - th * th)
+        rows = offs_n.to(tl.int64)
+        qptr = Q + rows[:, None] * stride_q + offs_p[None, :]  # [BLOCK_N, BLOCK_V]
+        tl.store(qptr, q.to(Q.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(Qm + rows * n_vtiles + tile, m_new, mask=row_mask)
     return m_new, s, ssum, ref, hs, av, amax
 
 
@@ -152,18 +167,20 @@ def _fwd_tile(
         "HAS_INIT": lambda a: a["M0"] is not None,
         "ENTROPY": lambda a: a["Hs"] is not None,
         "ARGMAX": lambda a: a["Ix"] is not None,
+        "STORE_Q": lambda a: a["Q"] is not None,
     }
 )
 @triton.jit
 def _fwd_kernel(
     E, C, Bias, W, Erow, TPos, Zt, NValid, Perm, M0,
-    Mx, Se, Ss, St, Sq, Hs, Ax, Ix,
-    N, V, D, stride_e, stride_c, stride_part, stride_st, n_vtiles, tile_lo, tile_hi, n_splits,
+    Mx, Se, Ss, St, Sq, Hs, Ax, Ix, Q, Qm,
+    N, V, D, stride_e, stride_c, stride_part, stride_st, stride_q, n_vtiles, tile_lo, tile_hi, n_splits,
     desc_tile0, softcap, log_eps, inv_temp,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, STATS: tl.constexpr, HAS_INIT: tl.constexpr, TMA: tl.constexpr,
     EVEN_V: tl.constexpr, HAS_TEMP: tl.constexpr, ENTROPY: tl.constexpr, ARGMAX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    STORE_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Per (token block, vocabulary split): running max, sum of exp, weighted logit sum (Ss),
     entropy accumulator (Hs), max and argmax (Ax, Ix) of the logits (times inv_temp with HAS_TEMP).
@@ -228,10 +245,10 @@ def _fwd_kernel(
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
             if ki == k_tiles - 1:
                 m, s, ssum, ref, hs, av, amax = _fwd_tile(
-                    acc, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
-                    tpos, V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
+                    acc, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, Q, Qm, offs_n,
+                    row_mask, tpos, V, n_vtiles, stride_st, stride_q, softcap, log_eps, inv_temp,
                     HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
-                    HAS_TEMP, ENTROPY, ARGMAX, BLOCK_V,
+                    HAS_TEMP, ENTROPY, ARGMAX, STORE_Q, BLOCK_V,
                 )  # fmt: skip
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
@@ -248,10 +265,10 @@ def _fwd_kernel(
                 BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
             )  # fmt: skip  # [BLOCK_N, BLOCK_V]
             m, s, ssum, ref, hs, av, amax = _fwd_tile(
-                L, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, offs_n, row_mask,
-                tpos, V, n_vtiles, stride_st, softcap, log_eps, inv_temp,
+                L, tile, m, s, ssum, ref, zt, hs, av, amax, Bias, W, Perm, St, Sq, Q, Qm, offs_n, row_mask,
+                tpos, V, n_vtiles, stride_st, stride_q, softcap, log_eps, inv_temp,
                 HAS_BIAS, HAS_SOFTCAP, HAS_SMOOTH, HAS_WEIGHT, SORTED, STATS, HAS_INIT, EVEN_V,
-                HAS_TEMP, ENTROPY, ARGMAX, BLOCK_V,
+                HAS_TEMP, ENTROPY, ARGMAX, STORE_Q, BLOCK_V,
             )  # fmt: skip
     out = pid_s * stride_part + offs_n
     tl.store(Mx + out, m, mask=row_mask)
@@ -408,6 +425,8 @@ def linear_ce_forward(
     entropy: bool = False,
     argmax: bool = False,
     tpos: torch.Tensor | None = None,
+    q: torch.Tensor | None = None,
+    qm: torch.Tensor | None = None,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
@@ -429,6 +448,10 @@ def linear_ce_forward(
 
     ``temperature`` divides the logits after the softcap (target logits included); ``entropy``
     and ``argmax`` add those outputs. A temperature does not go with ``perm``.
+
+    ``q`` ([N, >= V], unit column stride) and ``qm`` (fp32 [N, tiles of the forward config]),
+    without ``perm``: every tile's q = e^(L - m') softcap'(z) and running max m' (_fwd_tile's
+    STORE_Q), in sorted row order.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     N = erow.numel()
@@ -441,6 +464,10 @@ def linear_ce_forward(
     stats = perm is not None
     if stats and temperature != 1.0:
         raise ValueError("the tile statistics (perm) take no temperature")
+    if (q is None) != (qm is None) or (q is not None and stats):
+        raise ValueError("q and qm go together, and not with the tile statistics (perm)")
+    if q is not None and (q.shape[0] < N or q.shape[1] < V or q.stride(1) != 1 or qm.shape != (N, n_vtiles)):
+        raise ValueError(f"q must be [N, >= V] with unit column stride and qm [N, {n_vtiles}]")
     if tma is None:
         tma = use_tma(e2d, c) and (not stats or N >= FWD_TMA_SORTED_MIN_N)
     TD = tensor_descriptor() if tma else None
@@ -510,9 +537,10 @@ def linear_ce_forward(
             TPos=tpos if stats else None, Zt=zt, NValid=n_valid, Perm=perm, M0=m0,
             Mx=Mx[part0:], Se=Se[part0:], Ss=None if Ss is None else Ss[part0:], St=St, Sq=Sq,
             Hs=None if Hs is None else Hs[part0:], Ax=None if Ax is None else Ax[part0:],
-            Ix=None if Ix is None else Ix[part0:],
+            Ix=None if Ix is None else Ix[part0:], Q=q, Qm=qm,
             N=N, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), stride_part=N,
-            stride_st=n_vtiles, n_vtiles=n_vtiles, tile_lo=tile_lo, tile_hi=tile_hi, n_splits=grid[1],
+            stride_st=n_vtiles, stride_q=0 if q is None else q.stride(0), n_vtiles=n_vtiles,
+            tile_lo=tile_lo, tile_hi=tile_hi, n_splits=grid[1],
             desc_tile0=tile0, softcap=float(softcap), log_eps=math.log(eps) if stats else 0.0,
             inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0,
             HAS_SOFTCAP=softcap > 0, EVEN_V=V % BV == 0, TMA=tma, BLOCK_N=BN, BLOCK_V=BV,
