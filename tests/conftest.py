@@ -32,15 +32,15 @@ settings.load_profile("cce-all" if os.environ.get("CCE_TEST_TIER") == "all" else
 
 
 # The heaviest CPU tests in the interpreter (seconds each on 2 cores): the tests below keep one
-# case in the default tier (the case id given, or the first case when None), which runs the same
-# kernels as the others; their other cases, and the tests of THOROUGH_ONLY, run in the thorough
-# tier (they are marked `slow`). Tests marked `slow` in their own files add to these.
-ONE_CASE = {
+# case in the default tier (the case id given, or the first case when None; a tuple: those
+# cases), which runs the same kernels as the others; their other cases, and the tests of
+# THOROUGH_ONLY, run in the thorough tier (they are marked `slow`). Tests marked `slow` in their
+# own files add to these.
+ONE_CASE: dict[str, str | tuple[str, ...] | None] = {
     "test_dense_slabs.py::test_all_dense_is_exact": None,
     "test_dense_slabs.py::test_slab_errors_against_float64": None,
     "test_dense_slabs.py::test_flags_follow_the_rule": "0.1-2.0-1",
     "test_dense_slabs.py::test_slab_products_against_float64": "300-64-33",
-    "test_triton_sparse.py::test_sparse_public_api_vs_exact": "opts2-dtype0",
     "test_triton_sparse.py::test_backward_reads_the_forwards_orders": None,
     "test_triton_sparse.py::test_sparse_entropy_term_within_stated_bound": "plain",
     "test_triton_sparse.py::test_stash_layout_gives_the_same_gradients": "dtype3-6-False",
@@ -48,6 +48,12 @@ ONE_CASE = {
     "test_triton_sparse.py::test_minus_inf_bias_masking_whole_tiles": None,
     "test_triton_sparse.py::test_encoded_tile_statistics": None,
     "test_triton_linear.py::test_default_filter_close_to_exact": None,
+    # (the sparse backward in fp32 runs in the other sparse tests)
+    "test_triton_linear.py::test_filtered_backwards_with_tiny_threshold": (
+        "dtype1-sparse",
+        "dtype0-recompute",
+        "dtype1-recompute",
+    ),
     "test_first_order.py::test_sparse_backward_with_first_order_is_the_model": None,
     "test_first_order.py::test_gram_against_float64": None,
     "test_dc_estimate.py::test_dc_norm_estimate": None,
@@ -86,6 +92,12 @@ THOROUGH_ONLY = {
     "test_host_gating.py::test_gating_leaves_out_what_the_device_turned_off",
     # the dC estimators against exact sums (their kernels: test_dc_norm_estimate)
     "test_dc_estimate.py::test_dc_estimates_are_exact_when_every_row_is_sampled",
+    # the sparse backward through the public API against the exact one on zipf data (through the
+    # public API also in test_triton_linear.py::test_filtered_backwards_with_tiny_threshold, and
+    # against its bound in test_sparse_filter_sound_and_within_stated_bound)
+    "test_triton_sparse.py::test_sparse_public_api_vs_exact",
+    # scratch slots against recomputed tiles (both serve kept tiles in every sparse test)
+    "test_triton_sparse.py::test_scratch_and_recompute_agree",
 }
 
 
@@ -102,7 +114,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(slow)
         elif key in ONE_CASE:
             want = ONE_CASE[key] or kept.setdefault(key, _case_id(item))
-            if _case_id(item) != want:
+            if _case_id(item) not in (want if isinstance(want, tuple) else (want,)):
                 item.add_marker(slow)
     if HAS_CUDA:
         return

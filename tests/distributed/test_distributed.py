@@ -797,9 +797,11 @@ def _run_group(world: int, tmp: Path) -> dict[str, list[str]]:
 
 
 # Each group's processes run once per pytest process: under pytest-xdist (--dist loadgroup) all
-# the tests of one group go to one worker, so that no two workers start the same group.
+# the tests of one group go to one worker, so that no two workers start the same group; the
+# fixtures are session-scoped, as a worker may run other modules' tests between a group's (a
+# module-scoped fixture would then be torn down and the group started again).
 @pytest.fixture(
-    scope="module",
+    scope="session",
     params=[
         pytest.param(2, marks=pytest.mark.xdist_group("gloo-world2")),
         pytest.param(3, marks=[pytest.mark.xdist_group("gloo-world3"), pytest.mark.slow]),
@@ -818,7 +820,7 @@ def test_distributed(group_results, case):
     _check(group_results, case)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world1_results(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")

@@ -330,7 +330,7 @@ def test_option_reaches_the_backward(monkeypatch):
 
     with pytest.raises(ValueError, match="first_order"):
         Tuning(first_order=1)
-    e, c, t = near_uniform_inputs(32, 16, 600, std=0.2)
+    e, c, t = near_uniform_inputs(16, 16, 160, std=0.2)
     seen = []
     orig = TI.sparse_backward
 
@@ -348,7 +348,7 @@ def test_terms_left_out_where_they_cannot_pay(monkeypatch):
     """With fewer rows than D the terms' D x D work costs more than every slab (first_order_cost
     >= the slab count), so the rule can never turn them on: their operands are not built and the
     gradients are those of first_order=False, bit for bit."""
-    N, D, V = 16, 64, 600
+    N, D, V = 16, 64, 200
     e, c, t = near_uniform_inputs(N, D, V, std=0.2)
     BV = stats_blocks(torch.float32)[1]
     assert first_order_cost(N, V, D, -(-V // BV) * BV) >= 1  # one slab holds the whole vocabulary
