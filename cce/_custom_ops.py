@@ -12,6 +12,13 @@ schema (``torch._library.utils.fill_defaults``) and reads the schema's argument 
 argument, which grows as the square of their number (28 arguments: about 0.45 ms per call on
 a CPU core, as much as twenty kernel launches; 8: about 0.04 ms). The packing is exact: an
 int or bool is a float64 below 2^53 (checked), None is a presence flag beside the value.
+
+Every op call and every backward passes through here, which makes this the one place for what
+the ops refuse: a functorch transform (torch.func.grad, vmap, jvp, ...) or forward-mode AD over
+an op's inputs, and a double backward (create_graph=True). None of them has a formula here,
+and without the refusals torch would give an obscure error, a gradient silently cut from the
+graph (create_graph=True: a gradient penalty on it would be dropped), or a zero tangent
+(forward-mode AD).
 """
 
 from __future__ import annotations
@@ -22,8 +29,42 @@ import typing
 from collections.abc import Callable
 
 import torch
+from torch.autograd import forward_ad
 
 _EXACT_INT = 2**53
+
+DOUBLE_BACKWARD_MESSAGE = (
+    "cce does not support double backward (create_graph=True, e.g. torch.autograd.grad(loss, e, "
+    "create_graph=True) or loss.backward(create_graph=True)): cce's gradients are computed by fused "
+    "kernels and are not differentiable themselves, so a gradient penalty built on them would have no "
+    "gradient. For higher-order gradients compute this loss with plain PyTorch, e.g. "
+    "F.cross_entropy(e @ c.T, t) (or F.cross_entropy(logits, t)), whose gradient is differentiable."
+)
+
+TRANSFORMS_MESSAGE = (
+    "cce does not support torch.func transforms (grad, vmap, vjp, jvp, jacrev, jacfwd, hessian, ...) "
+    "or forward-mode AD (torch.autograd.forward_ad) over its inputs: its ops are fused kernels "
+    "without functorch or forward-mode rules. Use torch.autograd.grad / loss.backward() for "
+    "gradients and a Python loop for batches, or plain PyTorch (F.cross_entropy) inside a transform."
+)
+
+
+def refuse_transforms(*values: object) -> None:
+    """NotImplementedError if an input is batched by vmap, needs a gradient inside a functorch
+    transform (grad, vjp, jacrev: autograd would reach the op through the transform), or carries a
+    forward-mode tangent (jvp, jacfwd, forward_ad). An input that a transform carries along without
+    differentiating or batching it (a constant inside torch.func.grad) passes: the op's result is
+    a constant there, which needs no rule. Nothing is read from the tensors' data."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if torch._C._are_functorch_transforms_active():
+        grad_mode = torch.is_grad_enabled()
+        for t in tensors:
+            if torch._C._functorch.is_batchedtensor(t) or (grad_mode and t.requires_grad):
+                raise NotImplementedError(TRANSFORMS_MESSAGE)
+    if forward_ad._current_level >= 0:
+        for t in tensors:
+            if forward_ad.unpack_dual(t).tangent is not None:
+                raise NotImplementedError(TRANSFORMS_MESSAGE)
 
 
 def _schema_type(hint):
@@ -98,6 +139,16 @@ class _Packing:
         return (*(per_field[i] for i in self.direct), None)
 
 
+def check_no_transforms(*values: object) -> None:
+    """refuse_transforms where a transform or forward-mode AD is active at all (two flag reads
+    otherwise). Under torch.compile the graph holds the op itself, and Dynamo traces torch.func
+    transforms on its own: nothing to check while tracing."""
+    if not torch.compiler.is_compiling() and (
+        forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+    ):
+        refuse_transforms(*values)
+
+
 class _Op:
     """A custom op called with its Args fields in order (``op(*fields)``): packs them into the
     schema's arguments. ``op.op`` is the torch custom op."""
@@ -108,6 +159,7 @@ class _Op:
         self.args_type = packing.args
 
     def __call__(self, *fields):
+        check_no_transforms(*fields)
         return self.op(*self.packing.pack(fields))
 
 
@@ -145,10 +197,17 @@ def register_fake(op: _Op, fn: Callable) -> None:
 
 def register_autograd(op: _Op, backward: Callable, setup_context: Callable) -> None:
     """``setup_context(ctx, a: Args, output)`` and ``backward(ctx, *grads)``; the backward returns
-    one gradient per field of Args (None for the non-differentiable ones)."""
+    one gradient per field of Args (None for the non-differentiable ones).
+
+    The backward refuses a double backward: autograd runs a backward with grad mode on exactly
+    when it was asked for create_graph=True (torch.compile's AOTAutograd traces backwards with
+    it off), and the gradients computed here have no formula of their own.
+    """
     p = op.packing
 
     def bwd(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
         # (ctx.needs_input_grad, per schema input, read per Args field by the backward)
         prev = ctx.needs_input_grad
         ctx.needs_input_grad = p.per_field(prev)

@@ -1,7 +1,8 @@
 """The loss as a function of per-token statistics, and its gradient with respect to the logits.
 
 Every implementation (PyTorch chunks, Triton kernels, vocabulary-parallel ranks, logits-level)
-reduces a token's logits ``L_i`` (after bias and softcap, in fp32) to three numbers:
+reduces a token's logits ``L_i`` (after bias and softcap, in fp32; in float64 for float64 inputs
+of the PyTorch implementations) to three numbers:
 
     lse_i  = logsumexp_v L_iv
     tgt_i  = L_{i, t_i}
@@ -57,17 +58,25 @@ class LossConsts:
         return self.label_smoothing > 0.0
 
 
-def target_weight(weight: torch.Tensor | None, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """w_{t_i} for valid rows, 0 for ignored ones (fp32)."""
+def target_weight(
+    weight: torch.Tensor | None,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """w_{t_i} for valid rows, 0 for ignored ones, in ``dtype`` (the accumulation dtype: the
+    row quantities derived from it, g and the coefficients, follow its dtype)."""
     if weight is None:
-        return valid.to(torch.float32)
+        return valid.to(dtype)
     safe = torch.where(valid, targets, torch.zeros_like(targets))
-    return torch.where(valid, weight.float()[safe], 0.0)
+    return torch.where(valid, weight.to(dtype)[safe], 0.0)
 
 
-def weight_total(weight: torch.Tensor | None, V: int, device: torch.device) -> torch.Tensor | float:
-    """W = sum_v w_v (V without class weights)."""
-    return float(V) if weight is None else weight.float().sum()
+def weight_total(
+    weight: torch.Tensor | None, V: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | float:
+    """W = sum_v w_v (V without class weights), in ``dtype``."""
+    return float(V) if weight is None else weight.to(dtype).sum()
 
 
 def mean_denominator(w_t: torch.Tensor) -> torch.Tensor:
@@ -112,18 +121,35 @@ def reduce_loss(
     return total / (mean_denominator(w_t) if den is None else den)
 
 
+def nan_at_bad_targets(x: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
+    """``x`` made NaN where a target was bad (outside [0, V), not ignore_index; the mask of
+    cce._validation.guard_targets, over the problem's rows), ``x`` itself for ``bad`` None.
+
+    ``x`` per row (as many entries as ``bad``: the loss with reduction "none", the target logit
+    behind the log-probabilities): NaN at the bad rows only. ``x`` 0-d (a reduced loss, the
+    accuracy): NaN if any row is bad. Formed as ``x * f`` with f = 1 or NaN: exact where f = 1, and
+    the NaN also multiplies the upstream gradient through x, so the gradients of a bad row (of
+    every row, for a reduced loss) are NaN as well: neither the loss nor a step taken from it is
+    finite. Device ops only: ``bad.any()`` stays a device tensor, nothing is read on the host.
+    """
+    if bad is None:
+        return x
+    flag = bad.any() if x.dim() == 0 else bad.reshape(x.shape)
+    return x * torch.where(flag, float("nan"), 1.0)
+
+
 def row_upstream(
     grad_loss: torch.Tensor | None, w_t: torch.Tensor, reduction: str, n: int, den: torch.Tensor | None = None
 ) -> torch.Tensor | float:
-    """g_i: the gradient reaching each token's loss from the reduced loss' gradient.
-    ``grad_loss`` None: an upstream gradient of 1 ("mean" / "sum"; a scalar, for the fused
+    """g_i: the gradient reaching each token's loss from the reduced loss' gradient, in w_t's
+    dtype. ``grad_loss`` None: an upstream gradient of 1 ("mean" / "sum"; a scalar, for the fused
     forward: 1 / den, or 1.0). ``den``: mean_denominator(w_t) if the caller has it already."""
     if reduction == "none":
-        return grad_loss.float()
+        return grad_loss.to(w_t.dtype)
     if reduction == "mean":
         den = mean_denominator(w_t) if den is None else den
-        return den.reciprocal() if grad_loss is None else grad_loss.float().expand(n) / den
-    return 1.0 if grad_loss is None else grad_loss.float().expand(n)
+        return den.reciprocal() if grad_loss is None else grad_loss.to(w_t.dtype).expand(n) / den
+    return 1.0 if grad_loss is None else grad_loss.to(w_t.dtype).expand(n)
 
 
 def affine_coefficients(
@@ -156,12 +182,13 @@ def coefficients(
     valid: torch.Tensor,
     k: LossConsts,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(alpha, beta, gamma) per row; all zero at ignored rows (three distinct tensors)."""
+    """(alpha, beta, gamma) per row in w_t's dtype; all zero at ignored rows (three distinct
+    tensors)."""
     alpha, a1, beta, gamma = affine_coefficients(g, w_t, W, valid, k)
     if a1 is not None:
         alpha = alpha + a1 * lse
     if h is not None:
-        alpha = alpha + torch.where(valid, h.float(), 0.0)
+        alpha = alpha + torch.where(valid, h.to(alpha.dtype), 0.0)
     if alpha is beta:
         alpha = alpha.clone()
     if gamma is None:
@@ -182,11 +209,11 @@ def output_coefficients(
     logit, delta on the entropy (``entropy``: its forward values). eta (the coefficient of
     p_iv L_iv) is None without delta; ignored rows get nothing (their outputs are constants)."""
     if u is not None:
-        beta = beta - torch.where(valid, u.float(), 0.0)
+        beta = beta - torch.where(valid, u.to(beta.dtype), 0.0)
     eta = None
     if delta is not None:
-        d = torch.where(valid, delta.float(), 0.0)
-        alpha = alpha + d * (lse - entropy.float())
+        d = torch.where(valid, delta.to(alpha.dtype), 0.0)
+        alpha = alpha + d * (lse - entropy.to(alpha.dtype))
         eta = -d
     return alpha, beta, eta
 

@@ -17,6 +17,11 @@ becomes ``softcap``; ``logit_scale`` (Cohere, multiplies the logits) and ``logit
 an ``N x D`` product instead of a ``V x D`` copy; a mixture-of-experts router loss
 (``aux_loss`` x ``router_aux_loss_coef``) is added as the unpatched forward adds it with labels.
 
+A PEFT LoRA layer on ``lm_head`` is supported whether PEFT wraps the head before or after
+``patch``: the head module is looked up at every labelled forward and the one the model calls now
+captures (its adapters' rank-r factors included); the loss then runs on the adapted classifier as
+one linear map of width D + r (cce/peft.py).
+
 Without labels (generation, evaluation without labels) the model's own forward runs unchanged.
 The state lives on the instance (``model._cce_state``), so two patched models can differ, and a
 deep copy is patched independently. This module does not import ``transformers``: it works on
@@ -30,6 +35,7 @@ import functools
 import inspect
 import numbers
 import types
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,13 +43,16 @@ from torch import nn
 from .distributed.fsdp import call_unsharded
 from .ops.linear_ce.api import linear_cross_entropy_with_options
 from .options import CCEOptions
+from .peft import LoraInputs, check_lora_layer, is_peft_module, lora_base_layer, lora_inputs, lora_terms
 
 __all__ = ["is_patched", "options", "patch", "token_logprobs", "unpatch"]
 
 _STATE_ATTR = "_cce_state"
+_PREV_ATTR = "_cce_prev_forward"  # on a head module: its instance forward from before the patch
 
 
-def _output_layer(model: nn.Module) -> nn.Linear:
+def _output_layer(model: nn.Module) -> nn.Module:
+    """The module the model calls for its logits: ``lm_head`` (or get_output_embeddings()), as it is now."""
     head = getattr(model, "lm_head", None)
     if head is None and hasattr(model, "get_output_embeddings"):
         head = model.get_output_embeddings()
@@ -52,13 +61,21 @@ def _output_layer(model: nn.Module) -> nn.Linear:
             f"cce.transformers.patch: {type(model).__name__} has no output layer: expected a `lm_head` "
             "attribute (or get_output_embeddings()) holding an nn.Linear"
         )
-    if not isinstance(head, nn.Linear):
-        raise TypeError(
-            f"cce.transformers.patch: {type(model).__name__}.lm_head is a {type(head).__name__}, not an "
-            "nn.Linear; cce needs the plain classifier weight (merge adapters into the head or keep "
-            "the head out of them)"
-        )
+    _classifier(head)
     return head
+
+
+def _classifier(head: nn.Module) -> nn.Linear:
+    """The nn.Linear holding the classifier weight: the head itself, or the base layer of a PEFT LoRA
+    head (whose adapters the loss adds, cce/peft.py); TypeError for anything else."""
+    if isinstance(head, nn.Linear) and not is_peft_module(head):
+        return head
+    if is_peft_module(head):
+        return lora_base_layer(head)
+    raise TypeError(
+        f"cce.transformers.patch: lm_head is a {type(head).__name__}, not an nn.Linear (or a PEFT LoRA "
+        "layer around one); cce needs the classifier as a weight matrix"
+    )
 
 
 def _text_config(model: nn.Module):
@@ -88,18 +105,19 @@ def _logit_transform(model: nn.Module) -> tuple[float, float | None]:
 
 
 class _PatchState:
-    """Everything :func:`patch` attaches to one model instance (shared with its ``lm_head``).
+    """Everything :func:`patch` attaches to one model instance (shared with its head modules).
 
     ``capturing`` is set for the duration of one labelled forward; while it is, the head's forward
-    stores its input in ``hidden`` and returns an empty ``(..., 0)`` tensor instead of logits.
+    stores its input in ``hidden`` (and a LoRA head its adapters' inputs in ``lora``) and returns
+    an empty ``(..., 0)`` tensor instead of logits. ``heads`` are the modules that carry the
+    capturing forward: the head when patching, and whatever module the model calls for its
+    logits at a later labelled forward (e.g. a LoRA layer PEFT wrapped around the patched head).
     """
 
-    def __init__(
-        self, options: CCEOptions, scale: float, softcap: float | None, prev_forward, prev_head_forward
-    ):
+    def __init__(self, options: CCEOptions, scale: float, softcap: float | None, prev_forward):
         self.options = options
         self.scale, self.softcap = scale, softcap
-        self.prev_forward, self.prev_head_forward = prev_forward, prev_head_forward
+        self.prev_forward = prev_forward
         # The four per-call variants, built (and validated) once so that a traced forward
         # (torch.compile) only looks them up.
         self.call_options = {
@@ -109,13 +127,15 @@ class _PatchState:
             for reduction in ("mean", "sum")
             for shift in (False, True)
         }
+        self.heads: list[nn.Module] = []
         self.capturing = False
         self.hidden: torch.Tensor | None = None
+        self.lora: LoraInputs | None = None
         self.aux_coef = 0.0
 
 
 def _head_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """The forward installed on a patched model's ``lm_head`` (bound to the head)."""
+    """The forward installed on a patched model's head modules (bound to the module)."""
     st: _PatchState = self._cce_state
     if st.capturing:
         if st.hidden is not None:
@@ -123,11 +143,31 @@ def _head_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> tor
                 "cce.transformers: the model's forward called lm_head more than once; only models "
                 "that apply lm_head once to the final hidden states can be patched"
             )
+        # A LoRA head's adapter inputs are taken now, where its forward would draw its dropouts.
+        st.lora = lora_inputs(self, hidden, *args, **kwargs) if is_peft_module(self) else None
         st.hidden = hidden
         return hidden.new_empty(*hidden.shape[:-1], 0)
-    if st.prev_head_forward is not None:
-        return st.prev_head_forward(hidden, *args, **kwargs)
+    prev = self.__dict__.get(_PREV_ATTR)
+    if prev is not None:
+        return prev(hidden, *args, **kwargs)
     return type(self).forward(self, hidden, *args, **kwargs)
+
+
+def _install_head(st: _PatchState, head: nn.Module) -> None:
+    """Gives ``head`` the capturing forward (once); its own instance forward, if any, is kept."""
+    if getattr(head, _STATE_ATTR, None) is st:
+        return
+    if _STATE_ATTR in head.__dict__:
+        raise RuntimeError(
+            f"cce.transformers: this model's lm_head ({type(head).__name__}) is already patched through "
+            "another model (e.g. a PEFT model and its base model both patched); patch only one of them"
+        )
+    head.__dict__[_PREV_ATTR] = head.__dict__.get("forward")
+    # A partial rather than a bound method: torch.compile traces this install when it happens in a
+    # compiled labelled forward (a head PEFT wrapped after patching), and not a MethodType call.
+    head.__dict__["forward"] = functools.partial(_head_forward, head)
+    head.__dict__[_STATE_ATTR] = st
+    st.heads.append(head)
 
 
 def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -147,17 +187,35 @@ def _as_kwargs(model: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 
 def _head_loss(
-    hidden: torch.Tensor, targets: torch.Tensor, *, head: nn.Linear, scale: float, opts: CCEOptions
+    hidden: torch.Tensor,
+    adapter_inputs: tuple[torch.Tensor, ...],
+    targets: torch.Tensor,
+    *,
+    head: nn.Module,
+    lora_names: tuple[str, ...],
+    scale: float,
+    opts: CCEOptions,
 ):
     """The loss from the head's parameters; runs where they are whole (see call_unsharded)."""
-    c, bias = head.weight, head.bias
+    linear = _classifier(head)
+    c, bias = linear.weight, linear.bias
     e = hidden.to(c.device)
     # Match what the unpatched lm_head would compute in: under autocast the matmul runs in the
     # autocast dtype (a cast copy of the weight, as autocast itself makes); else in the weight's
     # dtype (FSDP2's mixed-precision param dtype included).
     dev = e.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else c.dtype
-    e, c = e.to(dt), c.to(dt)
+    if lora_names:
+        # LoRA head: logits = [x, u] @ [W, B]^T + (b + sum_a s_a b_a) (cce/peft.py), one linear map of
+        # width D + R. The adapters' terms run in the base product's dtype (PEFT adds its fp32 adapter
+        # output to the logits and rounds the sum to that dtype).
+        u, blocks, lora_bias = lora_terms(head, LoraInputs(lora_names, adapter_inputs))
+        e = torch.cat([e.to(dt), u.to(device=c.device, dtype=dt)], dim=-1)
+        c = _with_columns(c, blocks, dt)
+        if lora_bias is not None:
+            bias = lora_bias if bias is None else bias + lora_bias
+    else:
+        e, c = e.to(dt), c.to(dt)
     bias = None if bias is None else bias.to(dt)
     if scale != 1.0:
         # softcap(s * (e c^T + b)) = softcap((s e) c^T + s b): scale the N x D side, not the V x D one.
@@ -168,28 +226,38 @@ def _head_loss(
         return linear_cross_entropy_with_options(e, c, targets.to(e.device), bias, None, opts)
 
 
+def _with_columns(c: torch.Tensor, blocks: list[torch.Tensor], dt: torch.dtype) -> torch.Tensor:
+    """``[c, *blocks]`` along the columns, in ``dt``: one ``V x (D + R)`` buffer, each part cast as it
+    is copied in (no separate cast copy of ``c``); differentiable with respect to every part."""
+    width = c.shape[1] + sum(b.shape[1] for b in blocks)
+    out = torch.empty((c.shape[0], width), dtype=dt, device=c.device)
+    col = 0
+    for part in (c, *blocks):
+        out[:, col : col + part.shape[1]] = part
+        col += part.shape[1]
+    return out
+
+
 def _cce_loss(
-    model: nn.Module,
     st: _PatchState,
-    hidden: torch.Tensor,
+    cap: _Captured,
     labels: torch.Tensor,
     shift_labels: torch.Tensor | None,
     num_items_in_batch,
 ) -> torch.Tensor:
-    head = _output_layer(model)
     shift = shift_labels is None
     targets = labels if shift else shift_labels
-    if targets.shape != hidden.shape[:-1]:
+    if targets.shape != cap.hidden.shape[:-1]:
         raise ValueError(
             f"cce.transformers: labels of shape {tuple(targets.shape)} do not match the hidden states "
-            f"{tuple(hidden.shape[:-1])} given to lm_head (a labelled forward must keep every position: "
+            f"{tuple(cap.hidden.shape[:-1])} given to lm_head (a labelled forward must keep every position: "
             "leave logits_to_keep / num_logits_to_keep at 0)"
         )
     opts = st.call_options[("mean" if num_items_in_batch is None else "sum", shift)]
     # A fully_shard-ed (FSDP2) head has resharded its weight after its own (capturing) forward:
     # call_unsharded gathers it again around the loss and reduce-scatters its gradient, as FSDP2
     # does around lm_head(hidden). For any other head it is a plain call.
-    loss = call_unsharded(head, _head_loss, hidden, targets, head=head, scale=st.scale, opts=opts)
+    loss = _call_head_loss(st, cap, targets, opts)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -197,23 +265,48 @@ def _cce_loss(
     return loss
 
 
-def _capture(model: nn.Module, st: _PatchState, kw: dict):
-    """(the model's output without labels, the hidden states its lm_head received), no logits."""
-    st.capturing, st.hidden = True, None
+def _call_head_loss(st: _PatchState, cap: _Captured, targets: torch.Tensor, opts: CCEOptions):
+    # The adapters' inputs go with the hidden states as positional arguments: what the loss
+    # differentiates, so that FSDP2 hooks them (the adapters' weights are read inside, gathered).
+    lora = LoraInputs((), ()) if cap.lora is None else cap.lora
+    return call_unsharded(
+        cap.head, _head_loss, cap.hidden, lora.inputs, targets,
+        head=cap.head, lora_names=lora.names, scale=st.scale, opts=opts,
+    )  # fmt: skip
+
+
+class _Captured(NamedTuple):
+    """One labelled forward's model output (no logits) and what its head received."""
+
+    out: Any
+    head: nn.Module
+    hidden: torch.Tensor
+    lora: LoraInputs | None
+
+
+def _capture(model: nn.Module, st: _PatchState, kw: dict) -> _Captured:
+    """The model's forward without labels, its head capturing its input instead of computing logits."""
+    # The head is looked up at every call: PEFT (or anything else) may have replaced the patched
+    # one since; the module the model calls now is the one that must capture.
+    head = _output_layer(model)
+    if is_peft_module(head):
+        check_lora_layer(head)
+    _install_head(st, head)
+    st.capturing, st.hidden, st.lora = True, None, None
     try:
         if st.prev_forward is not None:
             out = st.prev_forward(**kw, labels=None, return_dict=True)
         else:
             out = type(model).forward(model, **kw, labels=None, return_dict=True)
-        hidden = st.hidden
+        hidden, lora = st.hidden, st.lora
     finally:
-        st.capturing, st.hidden = False, None
+        st.capturing, st.hidden, st.lora = False, None, None
     if hidden is None:
         raise RuntimeError(
             f"cce.transformers: {type(model).__name__}.forward never called lm_head; cannot compute the "
             "fused loss for this model"
         )
-    return out, hidden
+    return _Captured(out, head, hidden, lora)
 
 
 def _patched_forward(self: nn.Module, *args, **kwargs):
@@ -231,8 +324,9 @@ def _patched_forward(self: nn.Module, *args, **kwargs):
     if return_dict is None:
         return_dict = getattr(getattr(self, "config", None), "return_dict", True)
 
-    out, hidden = _capture(self, st, kw)
-    loss = _cce_loss(self, st, hidden, labels, shift_labels, num_items_in_batch)
+    cap = _capture(self, st, kw)
+    loss = _cce_loss(st, cap, labels, shift_labels, num_items_in_batch)
+    out = cap.out
     aux = out.get("aux_loss")
     if aux is not None and st.aux_coef:
         # Mixture-of-experts families add the router load-balancing loss only when labels are given.
@@ -276,8 +370,12 @@ def patch(
     from the model's config, read now (patch again after changing them). They are stored on this
     instance only. Patching a patched model replaces its options. Returns ``model``.
 
+    ``lm_head`` may be a PEFT LoRA layer (or become one after patching, through get_peft_model):
+    the loss is then that of the adapted head, adapters' dropout and scaling included (see
+    docs/integrations.md, "LoRA and frozen heads", for its memory cost and what is refused).
+
     Raises ValueError / TypeError naming what is missing when the model has no ``config``, no
-    ``lm_head`` nn.Linear, or a forward without a ``labels`` argument.
+    ``lm_head`` nn.Linear (or LoRA layer around one), or a forward without a ``labels`` argument.
     """
     opts = CCEOptions(
         ignore_index=ignore_index,
@@ -295,21 +393,25 @@ def patch(
             f"cce.transformers.patch: {type(model).__name__}.forward has no `labels` argument; "
             "expected a causal LM (*ForCausalLM)"
         )
+    if is_peft_module(head):
+        check_lora_layer(head)
     scale, softcap = _logit_transform(model)
     old = model.__dict__.get(_STATE_ATTR)
     if old is not None:  # re-patching: new options, same hooks
-        st = _PatchState(opts, scale, softcap, old.prev_forward, old.prev_head_forward)
+        st = _PatchState(opts, scale, softcap, old.prev_forward)
+        st.heads = old.heads
+        for m in st.heads:
+            m.__dict__[_STATE_ATTR] = st
     else:
         # A forward already set on an instance (e.g. accelerate's device hooks) is kept and called.
-        st = _PatchState(opts, scale, softcap, model.__dict__.get("forward"), head.__dict__.get("forward"))
+        st = _PatchState(opts, scale, softcap, model.__dict__.get("forward"))
         model.__dict__["forward"] = types.MethodType(_instance_forward(type(model).forward), model)
-        head.__dict__["forward"] = types.MethodType(_head_forward, head)
     coef = getattr(model, "router_aux_loss_coef", None)
     if not isinstance(coef, numbers.Real):
         coef = getattr(_text_config(model)[1], "router_aux_loss_coef", None)
     st.aux_coef = float(coef) if isinstance(coef, numbers.Real) and not isinstance(coef, bool) else 0.0
     model.__dict__[_STATE_ATTR] = st
-    head.__dict__[_STATE_ATTR] = st
+    _install_head(st, head)
     return model
 
 
@@ -318,9 +420,10 @@ def unpatch(model: nn.Module) -> nn.Module:
     st = model.__dict__.pop(_STATE_ATTR, None)
     if st is None:
         return model
-    head = _output_layer(model)
-    head.__dict__.pop(_STATE_ATTR, None)
-    for mod, prev in ((model, st.prev_forward), (head, st.prev_head_forward)):
+    heads = [(m, m.__dict__.pop(_PREV_ATTR, None)) for m in st.heads]
+    for m in st.heads:
+        m.__dict__.pop(_STATE_ATTR, None)
+    for mod, prev in ((model, st.prev_forward), *heads):
         if prev is None:
             mod.__dict__.pop("forward", None)
         else:
@@ -329,9 +432,16 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 
 def options(model: nn.Module) -> CCEOptions | None:
-    """The options a patched model uses (None if it is not patched)."""
+    """The options of a patched model's labelled loss (None if it is not patched).
+
+    As a call with ``labels`` uses them: the patch's options, ``softcap`` from the model's config,
+    ``shift=True`` and ``reduction="mean"``. Two things vary per call and are not shown: a call
+    given ``shift_labels`` runs with ``shift=False``, and one given ``num_items_in_batch`` with
+    ``reduction="sum"`` divided by it. A logit scale (Cohere's ``logit_scale``, Granite's
+    ``logits_scaling``), which scales the hidden states, is not a field of :class:`cce.CCEOptions`.
+    """
     st = model.__dict__.get(_STATE_ATTR)
-    return None if st is None else st.options
+    return None if st is None else st.call_options[("mean", True)]
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -373,15 +483,14 @@ def token_logprobs(
         )
     targets = input_ids if labels is None else labels
     forward_kwargs.pop("labels", None)
-    _, hidden = _capture(model, st, dict(forward_kwargs, input_ids=input_ids))
-    if targets.shape != hidden.shape[:-1]:
+    cap = _capture(model, st, dict(forward_kwargs, input_ids=input_ids))
+    if targets.shape != cap.hidden.shape[:-1]:
         raise ValueError(
             f"cce.transformers.token_logprobs: labels of shape {tuple(targets.shape)} do not match the "
-            f"hidden states {tuple(hidden.shape[:-1])} (leave logits_to_keep at 0)"
+            f"hidden states {tuple(cap.hidden.shape[:-1])} (leave logits_to_keep at 0)"
         )
     opts = dataclasses.replace(
         st.options, reduction="none", shift=True, softcap=st.softcap, return_lse=False,
         temperature=temperature, return_logprobs=True, return_entropy=entropy,
     )  # fmt: skip
-    head = _output_layer(model)
-    return call_unsharded(head, _head_loss, hidden, targets, head=head, scale=st.scale, opts=opts)
+    return _call_head_loss(st, cap, targets, opts)

@@ -221,6 +221,33 @@ def test_unpatch_restores_and_repatch():
     assert cce_hf.unpatch(model) is model  # no-op
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_options_report_what_the_labelled_loss_uses(family):
+    """options(model) are the options of a labelled call: the config's softcap (Gemma 2's default
+    final_logit_softcapping, 30), shift=True, reduction="mean". cce.linear_cross_entropy with
+    exactly these options on the model's final hidden states gives the patched loss."""
+    import dataclasses
+
+    import cce
+
+    cfg_name, model_name, _ = FAMILIES[family]
+    cfg = getattr(transformers, cfg_name)(**_COMMON)  # the family's own softcap default
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cce_hf.patch(getattr(transformers, model_name)(cfg).float(), impl="torch", z_loss=1e-3)
+    opts = cce_hf.options(model)
+    want_cap = getattr(cfg, "final_logit_softcapping", None)
+    assert opts.softcap == want_cap and (family == "llama") == (want_cap is None)
+    assert opts.shift is True and opts.reduction == "mean" and opts.z_loss == 1e-3
+    ids, labels = batch(10)
+    kw = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts) if f.name != "tuning"}
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        want = cce.linear_cross_entropy(hidden, model.lm_head.weight, labels, **kw)
+        got = model(input_ids=ids, labels=labels).loss
+    assert abs(got.item() - want.item()) <= TOL * want.item()
+
+
 def test_error_names_what_is_missing():
     class NoHead(torch.nn.Module):
         config = transformers.LlamaConfig()

@@ -1,8 +1,11 @@
 """Bad inputs: each raises ValueError / TypeError / IndexError naming the argument and showing the
-offending shapes or values, before any kernel runs."""
+offending shapes or values, before any kernel runs; and the edge cases that are not errors (D = 0,
+N = 0, non-finite inputs), with what they give. docs/api.md's "Bad inputs" table lists them all.
+Out-of-range targets where the check runs on the device: tests/test_bad_targets.py."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -293,3 +296,186 @@ def test_tuning_error_targets(name, bad):
     with pytest.raises(ValueError, match=name):
         cce.Tuning(**{name: bad})
     assert getattr(cce.Tuning(**{name: 0.0}), name) == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Target dtypes, the range check's two paths, D = 0, N = 0, non-finite inputs, module reprs
+
+
+@pytest.mark.parametrize("tdtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_accepted_target_dtypes(no_kernel, tdtype):
+    """Every dtype the message lists reaches the implementation."""
+    e, c, t = good()
+    with pytest.raises(AssertionError, match="implementation ran"):
+        call(e, c, t.to(tdtype))
+
+
+def test_target_dtype_message_lists_exactly_the_accepted_dtypes(no_kernel):
+    """The TypeError names the accepted dtypes, which are exactly TARGET_DTYPES; an integer dtype
+    outside them (torch's uint16 / uint32 / uint64, whose comparisons the CPU lacks) is refused
+    before any kernel, at both levels."""
+    from cce._validation import TARGET_DTYPES
+
+    e, c, t = good()
+    msg = (
+        r"targets must hold integer class ids \(int64, int32, int16, int8 or uint8\), got dtype torch.uint16"
+    )
+    with pytest.raises(TypeError, match=msg):
+        call(e, c, t.to(torch.uint16))
+    with pytest.raises(TypeError, match=msg):
+        cce.cross_entropy(torch.randn(2, 5, V), t.to(torch.uint16))
+    names = {str(d).removeprefix("torch.") for d in TARGET_DTYPES}
+    assert names == {"int64", "int32", "int16", "int8", "uint8"}
+
+
+def test_float_dtype_message_lists_exactly_the_accepted_dtypes(no_kernel):
+    """e, c, bias, weight and logits: the TypeError lists FLOAT_DTYPES, float64 included (the
+    linear level and impl="torch" accept it)."""
+    from cce.options import FLOAT_DTYPES
+
+    e, c, t = good()
+    msg = r"\be must be float32, bfloat16, float16 or float64, got dtype torch.int32"
+    with pytest.raises(TypeError, match=msg):
+        call(e.to(torch.int32), c, t)
+    with pytest.raises(TypeError, match=r"logits must be float32, bfloat16, float16 or float64"):
+        cce.cross_entropy(torch.ones(2, 5, V, dtype=torch.int32), t)
+    names = {str(d).removeprefix("torch.") for d in FLOAT_DTYPES}
+    assert names == {"float32", "bfloat16", "float16", "float64"}
+    with pytest.raises(AssertionError, match="implementation ran"):
+        call(e.double(), c.double(), t)
+
+
+def test_uint8_target_equal_to_wrapped_ignore_index_is_out_of_range(no_kernel):
+    """A uint8 id of 156 is -100 (the default ignore_index) wrapped to 8 bits, but as a class id it
+    is 156: out of range for V = 11, an IndexError, not an ignored token."""
+    e, c, t = good()
+    t = t.to(torch.uint8)
+    t[0, 1] = 156
+    with pytest.raises(IndexError, match=r"\[156\]"):
+        call(e, c, t)
+
+
+def test_range_check_runs_on_the_host_for_cpu_and_in_debug_mode(monkeypatch):
+    """Where the range check runs (debug_checks_enabled): on the host for CPU tensors; for an
+    accelerator's tensors only with CCE_DEBUG=1 or under anomaly detection (elsewhere on the
+    device: tests/test_bad_targets.py). No GPU needed: only the device's type is read."""
+    from cce._validation import debug_checks_enabled
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("CCE_DEBUG", raising=False)
+    assert debug_checks_enabled(torch.device("cpu"))
+    assert not debug_checks_enabled(cuda)
+    monkeypatch.setenv("CCE_DEBUG", "1")
+    assert debug_checks_enabled(cuda)
+    monkeypatch.setenv("CCE_DEBUG", "0")
+    assert not debug_checks_enabled(cuda)
+    with torch.autograd.set_detect_anomaly(True):
+        assert debug_checks_enabled(cuda)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_no_hidden_features(impl, bias, reduction):
+    """D = 0 (e: (..., 0), c: (V, 0)) is supported as F.cross_entropy(e @ c.T + bias, t) supports
+    it: the logits are the bias (0 without one, a loss of log V per token), dE and dC are empty,
+    the bias gets its usual gradient. Tolerance of the loss: fp32 rounding of a log-sum-exp over
+    V = 11 classes against torch's (a few ulps, within 1e-6)."""
+    e = torch.randn(2, 5, 0, requires_grad=True)
+    c = torch.randn(V, 0, requires_grad=True)
+    b = torch.randn(V, requires_grad=True) if bias else None
+    t = torch.randint(0, V, (2, 5))
+    t[0, 0] = -100
+    loss = cce.linear_cross_entropy(e, c, t, b, impl=impl, reduction=reduction)
+    b_ref = None if b is None else b.detach().clone().requires_grad_()
+    logits = (e.detach() @ c.detach().T).reshape(10, V)
+    if b_ref is not None:
+        logits = logits + b_ref
+    ref = torch.nn.functional.cross_entropy(logits, t.reshape(-1), reduction=reduction)
+    if reduction == "none":
+        ref = ref.reshape(2, 5)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    if not bias:
+        valid = t != -100
+        per_token = loss[valid] if loss.dim() else loss
+        torch.testing.assert_close(per_token, torch.full_like(per_token, math.log(V)))
+    loss.sum().backward()
+    assert e.grad.shape == e.shape and c.grad.shape == c.shape
+    if bias:
+        ref.sum().backward()
+        # (dbias sums p - onehot over 9 rows, each p within a few fp32 ulps of torch's: absolute
+        # errors up to ~9 * 2^-23 * 8 ~ 1e-6 where the sum cancels)
+        torch.testing.assert_close(b.grad, b_ref.grad, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_no_tokens_at_both_levels(impl):
+    """N = 0: "mean" and "sum" are 0.0 (F.cross_entropy's "mean" is NaN), "none" is empty, and
+    the gradients are zero tensors of the inputs' shapes."""
+    for reduction in ("mean", "sum", "none"):
+        e = torch.randn(0, D, requires_grad=True)
+        c = torch.randn(V, D, requires_grad=True)
+        x = torch.randn(0, V, requires_grad=True)
+        t = torch.zeros(0, dtype=torch.int64)
+        for loss, inputs in (
+            (cce.linear_cross_entropy(e, c, t, impl=impl, reduction=reduction), (e, c)),
+            (cce.cross_entropy(x, t, impl=impl, reduction=reduction), (x,)),
+        ):
+            assert loss.shape == ((0,) if reduction == "none" else ())
+            if reduction != "none":
+                assert loss.item() == 0.0
+            loss.sum().backward()
+            for inp in inputs:
+                assert inp.grad.shape == inp.shape and not bool(inp.grad.any())
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_propagate(impl, bad):
+    """At the logits level a NaN or +inf logit gives a non-finite loss in exactly the rows where
+    F.cross_entropy's is (never 0 or a finite value), and a "mean" over them is not finite; a -inf
+    logit of a class that is not the target masks that class (a finite loss, as in torch)."""
+    x = torch.randn(2, 5, V)
+    t = torch.randint(1, V, (2, 5))
+    x[0, 1, 4] = bad
+    x[1, 3, 0] = float("-inf")  # (targets are >= 1: a masked class)
+    loss = cce.cross_entropy(x, t, impl=impl, reduction="none")
+    ref = torch.nn.functional.cross_entropy(x.reshape(10, V), t.reshape(-1), reduction="none").reshape(2, 5)
+    assert not bool(torch.isfinite(ref[0, 1])) and bool(torch.isfinite(ref[1, 3]))
+    assert torch.equal(torch.isfinite(loss), torch.isfinite(ref))
+    assert not bool(torch.isfinite(cce.cross_entropy(x, t, impl=impl)))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logit_reaches_the_triton_linear_loss(bad):
+    """A row whose largest logit is NaN or +inf has a non-finite loss (the split merge takes its
+    max as it is), never a finite value in its place."""
+    e, c, t = good()
+    with torch.no_grad():
+        e[1, 2, 3] = bad
+    loss = call(e, c, t, impl="triton", reduction="none")
+    assert not bool(torch.isfinite(loss[1, 2]))
+
+
+def test_module_reprs_show_every_option_set():
+    """The modules' repr: the core options always, every other option where it differs from its
+    default (temperature, the return_* flags), the class weights' shape and the process group."""
+    default = repr(cce.LinearCrossEntropy())
+    for name in ("reduction='mean'", "ignore_index=-100", "softcap=None", "filter_eps='auto'", "impl='auto'"):
+        assert name in default
+    assert "temperature" not in default and "return_" not in default
+    mod = cce.LinearCrossEntropy(
+        reduction="none", temperature=0.7, return_lse=True, return_logprobs=True, return_entropy=True,
+        return_argmax=True, return_accuracy=True, weight=torch.ones(V),
+    )  # fmt: skip
+    r = repr(mod)
+    for name in (
+        "reduction='none'", "temperature=0.7", "return_lse=True", "return_logprobs=True",
+        "return_entropy=True", "return_argmax=True", "return_accuracy=True",
+        f"weight=<tensor of shape ({V},)>",
+    ):  # fmt: skip
+        assert name in r, (name, r)
+    ce = repr(cce.CausalLMLoss(temperature=2.0, return_entropy=True, inplace_backward=True))
+    for name in ("shift=True", "temperature=2.0", "return_entropy=True", "inplace_backward=True"):
+        assert name in ce, (name, ce)
+    assert "filter_eps" not in ce  # (unused at the logits level)

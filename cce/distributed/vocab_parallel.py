@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from .. import _math
 from .._dispatch import is_dtensor, needs_grad, select_impl
+from .._validation import debug_checks_enabled, guard_targets
 from ..ops.linear_ce.local import block_stats, logits_at
 from ..ops.linear_ce.rows import flatten_rows
 from ..options import CCEOptions
@@ -191,11 +192,26 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     )
 
 
-def _finish(r: _Rows, tgt: torch.Tensor, opts: CCEOptions, out_shape):
-    loss = _math.reduce_loss(r.loss, r.w_t, opts.reduction)
+def _guard(targets: torch.Tensor, V: int, opts: CCEOptions) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The targets the kernels may read and, where the range is not checked on the host, the
+    problem rows whose target was bad (after the shift), for _finish (cce._validation.guard_targets
+    against the global V: no host synchronisation on accelerators)."""
+    targets, bad = guard_targets(targets, V, opts.ignore_index, debug_checks_enabled(targets.device))
+    if bad is not None:
+        bad = (bad[..., 1:] if opts.shift else bad).reshape(-1)
+    return targets, bad
+
+
+def _finish(r: _Rows, tgt: torch.Tensor, opts: CCEOptions, out_shape, bad: torch.Tensor | None = None):
+    """The reduced loss and the outputs; NaN where a target was bad (``bad``: per problem row)."""
+    loss = _math.nan_at_bad_targets(_math.reduce_loss(r.loss, r.w_t, opts.reduction), bad)
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
-    return assemble(opts, loss, r.lse, r.tgt, r.entropy, r.argmax, tgt, lambda x: x.reshape(out_shape))
+    tgt_logit = _math.nan_at_bad_targets(r.tgt, bad) if opts.return_logprobs else r.tgt
+    out = assemble(opts, loss, r.lse, tgt_logit, r.entropy, r.argmax, tgt, lambda x: x.reshape(out_shape))
+    if opts.return_accuracy and bad is not None:
+        out = out._replace(accuracy=_math.nan_at_bad_targets(out.accuracy, bad))
+    return out
 
 
 def _group_of(c, bias, weight, process_group):
@@ -229,10 +245,11 @@ def vocab_parallel_with_options(
     e = replicated_local("e", e)
     targets = replicated_local("targets", targets)
     lay = check_setup(e, c, targets, bias, weight, opts, group, check_replicated, global_V, check=check)
+    targets, bad = _guard(targets, lay.V, opts)
     impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     out = _stats_loss(e2d, rows, tgt, c, bias, weight, opts, lay, impl, group, tokens_sharded=False)
-    return _finish(out, tgt, opts, out_shape)
+    return _finish(out, tgt, opts, out_shape, bad)
 
 
 def vocab_parallel_sharded_tokens(
@@ -259,6 +276,7 @@ def vocab_parallel_sharded_tokens(
     """
     c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
     lay = check_setup(e, c, targets, bias, weight, opts, group, False, global_V, tokens_sharded=True)
+    targets, bad = _guard(targets, lay.V, opts)
     impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
     if rows is not None:
@@ -274,7 +292,7 @@ def vocab_parallel_sharded_tokens(
         bias = None if bias is None else ScaleGrad.apply(bias, 1.0 / grad_divide)
     out = _stats_loss(E, None, T, c, bias, weight, opts, lay, impl, group, True)
     mine = slice(lay.rank * n_max, lay.rank * n_max + n)
-    return _finish(out.select(mine), T[mine], opts, out_shape)
+    return _finish(out.select(mine), T[mine], opts, out_shape, bad)
 
 
 def linear_cross_entropy_vocab_parallel(

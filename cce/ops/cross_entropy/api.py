@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ... import _math
 from ..._dispatch import select_impl
-from ..._validation import check_logits_inputs
+from ..._validation import check_logits_inputs, debug_checks_enabled, guard_targets
 from ...options import CCEOptions
 from ...outputs import assemble
+from ..linear_ce.api import options_repr
 
 
 def _check_inplace(logits: torch.Tensor, inplace_backward: bool) -> None:
@@ -39,11 +41,15 @@ def _flat_targets(targets: torch.Tensor, opts: CCEOptions) -> torch.Tensor:
     With shift, row (..., s) predicts targets[..., s + 1] and the last position of each sequence is
     ignored: the logits are read in place (never sliced into a copy) at the price of B skipped rows.
     """
-    t = targets.long()
-    if opts.shift:
-        pad = torch.full_like(t[..., :1], opts.ignore_index)
-        t = torch.cat([t[..., 1:], pad], dim=-1)
-    return t.reshape(-1)
+    return _row_aligned(targets.long(), opts.shift, opts.ignore_index)
+
+
+def _row_aligned(x: torch.Tensor, shift: bool, fill: int | bool) -> torch.Tensor:
+    """A per-target tensor aligned with the rows of the logits, flat [N]; with shift, position s
+    holds x[..., s + 1] and each sequence's last position ``fill``."""
+    if shift:
+        x = torch.cat([x[..., 1:], torch.full_like(x[..., :1], fill)], dim=-1)
+    return x.reshape(-1)
 
 
 def _resolve_impl(opts: CCEOptions, logits: torch.Tensor) -> str:
@@ -68,8 +74,25 @@ def cross_entropy_with_options(
     """cross_entropy with its options already in a :class:`CCEOptions` (``filter_eps`` unused)."""
     check_logits_inputs(logits, targets, weight, opts)
     _check_inplace(logits, inplace_backward)
+    host = debug_checks_enabled(logits.device)
+    return _cross_entropy(logits, targets, weight, opts, inplace_backward, host)
+
+
+def _cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    weight: torch.Tensor | None,
+    opts: CCEOptions,
+    inplace_backward: bool,
+    check_on_host: bool,
+):
+    """The call after the shape, dtype and device checks. ``check_on_host``: how the targets' range
+    is checked (cce._validation.guard_targets): an IndexError now, or NaN outputs where a target
+    is bad, without a host synchronisation."""
+    targets, bad = guard_targets(targets, logits.shape[-1], opts.ignore_index, check_on_host)
     impl = _resolve_impl(opts, logits)
     t = _flat_targets(targets, opts)
+    bad = None if bad is None else _row_aligned(bad, opts.shift, False)  # over the rows, as t
     # Reduced loss without lse output: the backward's row coefficients are a fixed vector times the
     # upstream scalar, so they are computed in the forward (see autograd.py).
     precompute = (
@@ -96,11 +119,17 @@ def cross_entropy_with_options(
         x = x.reshape(targets.shape)
         return x[..., :-1].contiguous() if opts.shift else x
 
+    loss = _math.nan_at_bad_targets(loss, bad)
+    if opts.return_logprobs:
+        tgt_logit = _math.nan_at_bad_targets(tgt_logit, bad)
     if opts.reduction == "none":
         loss = per_token(loss)
     entropy = entropy if opts.return_entropy else None  # (empty when not asked for)
     argmax = argmax if want_argmax else None
-    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, t, per_token)
+    out = assemble(opts, loss, lse, tgt_logit, entropy, argmax, t, per_token)
+    if opts.return_accuracy and bad is not None:
+        out = out._replace(accuracy=_math.nan_at_bad_targets(out.accuracy, bad))
+    return out
 
 
 def cross_entropy(
@@ -167,8 +196,9 @@ def cross_entropy(
             the four outputs), formed by the same pass over the logits as the loss.
 
     Returns:
-        The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``
-        with ``shift``) for ``reduction="none"``, 0 at ignored positions. With ``return_lse``,
+        The loss in float32 (float64 for float64 inputs with impl="torch"): a scalar, or per
+        token shaped like ``targets`` (``targets[..., 1:]`` with ``shift``) for
+        ``reduction="none"``, 0 at ignored positions. With ``return_lse``,
         ``(loss, lse)``; with a per-token output, a :class:`cce.LossOutputs`. A "mean" over an
         all-ignored batch is 0.0 with zero gradients (not NaN). The gradient comes back in the
         logits' dtype.
@@ -226,12 +256,16 @@ class CrossEntropyLoss(nn.Module):
         return cross_entropy_with_options(logits, targets, self.weight, self.options, self.inplace_backward)
 
     def extra_repr(self) -> str:
-        o = self.options
-        return (
-            f"reduction={o.reduction!r}, ignore_index={o.ignore_index}, shift={o.shift}, "
-            f"softcap={o.softcap}, label_smoothing={o.label_smoothing}, z_loss={o.z_loss}, "
-            f"inplace_backward={self.inplace_backward}, impl={o.impl!r}"
-        )
+        return options_repr(
+            self.options, self.weight, LOGITS_REPR_ALWAYS, skip=("filter_eps",),
+            inplace_backward=self.inplace_backward,
+        )  # fmt: skip
+
+
+# The options CrossEntropyLoss's repr always shows (filter_eps, unused at the logits level, never).
+LOGITS_REPR_ALWAYS: tuple[str, ...] = (
+    "reduction", "ignore_index", "shift", "softcap", "label_smoothing", "z_loss", "impl",
+)  # fmt: skip
 
 
 class CausalLMLoss(CrossEntropyLoss):

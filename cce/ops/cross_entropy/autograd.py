@@ -42,30 +42,32 @@ class BwdArgs(NamedTuple):
     logits: torch.Tensor
     targets: torch.Tensor
     weight: torch.Tensor | None
-    lse: torch.Tensor  # [N] fp32
-    alpha: torch.Tensor  # [N] fp32 row coefficients (cce._math.coefficients)
+    lse: torch.Tensor  # [N] accumulation dtype (fp32; float64 for float64 logits)
+    alpha: torch.Tensor  # [N] row coefficients (cce._math.coefficients), same dtype
     beta: torch.Tensor
     gamma: torch.Tensor
-    scale: torch.Tensor | None  # 0-d fp32 multiplying alpha, beta, gamma (the upstream gradient)
+    scale: torch.Tensor | None  # 0-d, multiplying alpha, beta, gamma (the upstream gradient)
     ignore_index: int
     softcap: float
     smoothing: bool
     chunk_bytes: int | None
-    eta: torch.Tensor | None  # [N] fp32 coefficient of the entropy's term p z
+    eta: torch.Tensor | None  # [N] coefficient of the entropy's term p z
     temperature: float
 
 
-def _row_consts(targets, weight, ignore_index, V, label_smoothing, z_loss):
+def _row_consts(targets, weight, ignore_index, V, label_smoothing, z_loss, acc):
     valid = targets != ignore_index
-    w_t = _math.target_weight(weight, targets, valid)
-    W = _math.weight_total(weight, V, targets.device)
+    w_t = _math.target_weight(weight, targets, valid, acc)
+    W = _math.weight_total(weight, V, targets.device, acc)
     k = _math.LossConsts(float(label_smoothing), float(z_loss), V)
     return valid, w_t, W, k
 
 
 def _finish_forward(a: FwdArgs, lse, tgt, ssum, entropy, argmax):
-    """(loss, lse, tgt, entropy, argmax, alpha, beta, gamma) in fp32 (argmax int64) from the per-row
-    statistics; lse, tgt and entropy are 0 at ignored rows, entropy and argmax empty unless asked for.
+    """(loss, lse, tgt, entropy, argmax, alpha, beta, gamma) in the accumulation dtype (fp32;
+    float64 for float64 logits, so that their results carry no fp32 rounding; argmax int64) from
+    the per-row statistics; lse, tgt and entropy are 0 at ignored rows, entropy and argmax empty
+    unless asked for.
 
     With ``precompute`` (reduction "mean" / "sum", no lse output), the row coefficients for a unit
     upstream gradient are computed here, while the forward kernel still runs on the device: the
@@ -73,15 +75,16 @@ def _finish_forward(a: FwdArgs, lse, tgt, ssum, entropy, argmax):
     (inside the kernel) and issues no other op. Otherwise alpha / beta / gamma are empty.
     """
     V = a.logits.shape[-1]
-    valid, w_t, W, k = _row_consts(a.targets, a.weight, a.ignore_index, V, a.label_smoothing, a.z_loss)
-    lse = torch.where(valid, lse.float(), 0.0)
-    tgt = torch.where(valid, tgt.float(), 0.0)
-    tok = _math.token_loss(lse, tgt, None if ssum is None else ssum.float(), w_t, W, valid, k)
+    acc = _math.acc_dtype(a.logits.dtype)
+    valid, w_t, W, k = _row_consts(a.targets, a.weight, a.ignore_index, V, a.label_smoothing, a.z_loss, acc)
+    lse = torch.where(valid, lse.to(acc), 0.0)
+    tgt = torch.where(valid, tgt.to(acc), 0.0)
+    tok = _math.token_loss(lse, tgt, None if ssum is None else ssum.to(acc), w_t, W, valid, k)
     loss = _math.reduce_loss(tok, w_t, a.reduction)
-    entropy = lse.new_empty(0) if entropy is None else torch.where(valid, entropy.float(), 0.0)
+    entropy = lse.new_empty(0) if entropy is None else torch.where(valid, entropy.to(acc), 0.0)
     argmax = a.targets.new_empty(0) if argmax is None else argmax
     if a.precompute:
-        ones = torch.ones((), dtype=torch.float32, device=lse.device)
+        ones = torch.ones((), dtype=acc, device=lse.device)
         g = _math.row_upstream(ones, w_t, a.reduction, a.targets.numel())
         alpha, beta, gamma = (x / a.temperature for x in _math.coefficients(g, None, lse, w_t, W, valid, k))
     else:
@@ -91,10 +94,11 @@ def _finish_forward(a: FwdArgs, lse, tgt, ssum, entropy, argmax):
 
 def _fake_forward(a: FwdArgs):
     N = a.targets.shape[0]
-    loss = a.logits.new_empty((N,) if a.reduction == "none" else (), dtype=torch.float32)
-    coef = [a.logits.new_empty((N,) if a.precompute else (0,), dtype=torch.float32) for _ in range(3)]
-    stats = [a.logits.new_empty((N,), dtype=torch.float32) for _ in range(2)]
-    entropy = a.logits.new_empty((N,) if a.want_entropy else (0,), dtype=torch.float32)
+    acc = _math.acc_dtype(a.logits.dtype)
+    loss = a.logits.new_empty((N,) if a.reduction == "none" else (), dtype=acc)
+    coef = [a.logits.new_empty((N,) if a.precompute else (0,), dtype=acc) for _ in range(3)]
+    stats = [a.logits.new_empty((N,), dtype=acc) for _ in range(2)]
+    entropy = a.logits.new_empty((N,) if a.want_entropy else (0,), dtype=acc)
     argmax = a.targets.new_empty((N,) if a.want_argmax else (0,), dtype=torch.int64)
     return (loss, *stats, entropy, argmax, *coef)
 
@@ -132,6 +136,7 @@ def define_ce_ops(name: str, stats: Callable, grad: Callable):
         ctx.set_materialize_grads(False)
         ctx.args = a._replace(logits=None, targets=None, weight=None)
         ctx.V = a.logits.shape[-1]
+        ctx.acc = _math.acc_dtype(a.logits.dtype)
         ctx.save_for_backward(a.logits, a.targets, a.weight, lse, entropy, alpha, beta, gamma)
 
     def backward(ctx, g_loss, g_lse, g_tgt, g_ent, _g_amax, _ga, _gb, _gc):
@@ -145,15 +150,15 @@ def define_ce_ops(name: str, stats: Callable, grad: Callable):
             # (precompute is off whenever an output other than the loss can carry a gradient)
             if g_loss is None:
                 return none
-            scale = g_loss.float()
+            scale = g_loss.to(ctx.acc)
             smoothing = a.label_smoothing > 0
         else:
             valid, w_t, W, k = _row_consts(
-                targets, weight, a.ignore_index, ctx.V, a.label_smoothing, a.z_loss
+                targets, weight, a.ignore_index, ctx.V, a.label_smoothing, a.z_loss, ctx.acc
             )
             N = targets.numel()
             if g_loss is None:
-                g = torch.zeros(N, dtype=torch.float32, device=targets.device)
+                g = torch.zeros(N, dtype=ctx.acc, device=targets.device)
             else:
                 g = _math.row_upstream(g_loss, w_t, a.reduction, N)
             alpha, beta, gamma = _math.coefficients(g, g_lse, lse, w_t, W, valid, k)

@@ -4,11 +4,15 @@ a sharded classifier: cce/distributed/)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ... import _math
 from ..._dispatch import is_dtensor, needs_grad, select_impl
-from ..._validation import check_linear_inputs
+from ..._validation import check_linear_inputs, debug_checks_enabled, guard_targets
 from ...options import CCEOptions
 from ...outputs import assemble
 from .rows import flatten_rows
@@ -33,7 +37,7 @@ def linear_cross_entropy_with_options(
     # The ops compute in the operands' dtype with fp32 accumulation; autocast must not re-cast
     # the matmuls inside them (it would mix dtypes in their in-place accumulations).
     with torch.autocast(e.device.type, enabled=False):
-        return _linear_cross_entropy(e, c, targets, bias, weight, opts)
+        return _linear_cross_entropy(e, c, targets, bias, weight, opts, debug_checks_enabled(e.device))
 
 
 def _autocast_operands(e, c, bias):
@@ -52,9 +56,20 @@ def _autocast_operands(e, c, bias):
     return cast(e), cast(c), cast(bias)
 
 
-def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
+def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions, check_on_host: bool):
+    """The call after the shape, dtype and device checks. ``check_on_host``: how the targets' range
+    is checked (cce._validation.guard_targets): an IndexError now, or NaN outputs where a target
+    is bad, without a host synchronisation."""
+    targets, bad = guard_targets(targets, c.shape[0], opts.ignore_index, check_on_host)
+    if e.shape[-1] == 0:
+        # D = 0: every logit is the bias (0 without one), as e @ c.T gives. One zero feature
+        # computes exactly that, and the padding's backward slices its gradients back to the
+        # empty dE and dC.
+        e, c = F.pad(e, (0, 1)), F.pad(c, (0, 1))
     impl = select_impl(opts.impl, e.device)
     e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
+    if bad is not None:  # over the problem's rows, as tgt
+        bad = (bad[..., 1:] if opts.shift else bad).reshape(-1)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)
     args = (
@@ -80,9 +95,15 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions):
             *args, need_de, need_dc, need_db, opts.resolved_tuning, float(opts.temperature),
             opts.return_entropy, want_argmax,
         )  # fmt: skip
+    loss = _math.nan_at_bad_targets(loss, bad)
+    if opts.return_logprobs:
+        tgt_logit = _math.nan_at_bad_targets(tgt_logit, bad)
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
-    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape))
+    out = assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape))
+    if opts.return_accuracy and bad is not None:
+        out = out._replace(accuracy=_math.nan_at_bad_targets(out.accuracy, bad))
+    return out
 
 
 def linear_cross_entropy(
@@ -156,8 +177,9 @@ def linear_cross_entropy(
             selects this mode by itself.
 
     Returns:
-        The loss in float32: a scalar, or per token shaped like ``targets`` (``targets[..., 1:]``
-        with ``shift``) for ``reduction="none"``, 0 at ignored positions. With ``return_lse``,
+        The loss in float32 (float64 for float64 inputs with impl="torch"): a scalar, or per
+        token shaped like ``targets`` (``targets[..., 1:]`` with ``shift``) for
+        ``reduction="none"``, 0 at ignored positions. With ``return_lse``,
         ``(loss, lse)``; with a per-token output, a :class:`cce.LossOutputs`. A "mean" over an
         all-ignored batch is 0.0 with zero gradients (not NaN). Gradients come back in each
         input's dtype; inputs are never modified.
@@ -241,9 +263,31 @@ class LinearCrossEntropy(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        o = self.options
-        return (
-            f"reduction={o.reduction!r}, ignore_index={o.ignore_index}, shift={o.shift}, "
-            f"softcap={o.softcap}, label_smoothing={o.label_smoothing}, z_loss={o.z_loss}, "
-            f"filter_eps={o.filter_eps!r}, impl={o.impl!r}"
-        )
+        extra = {} if self.process_group is None else {"process_group": self.process_group}
+        return options_repr(self.options, self.weight, LINEAR_REPR_ALWAYS, **extra)
+
+
+# The options a module's repr always shows; every other one is shown where it is not the default.
+LINEAR_REPR_ALWAYS: tuple[str, ...] = (
+    "reduction", "ignore_index", "shift", "softcap", "label_smoothing", "z_loss", "filter_eps", "impl",
+)  # fmt: skip
+_DEFAULT_OPTIONS = CCEOptions()
+
+
+def options_repr(
+    opts: CCEOptions,
+    weight: torch.Tensor | None,
+    always: tuple[str, ...],
+    skip: tuple[str, ...] = (),
+    **extra: object,
+) -> str:
+    """A loss module's extra_repr: the options named in ``always`` (in that order), then every
+    other field of ``opts`` not in ``skip`` that differs from its default (in field order), the
+    class weights' shape where given, and ``extra`` (name=value) as they are."""
+    rest = [f.name for f in dataclasses.fields(CCEOptions) if f.name not in always and f.name not in skip]
+    shown = [*always, *(n for n in rest if getattr(opts, n) != getattr(_DEFAULT_OPTIONS, n))]
+    parts = [f"{n}={getattr(opts, n)!r}" for n in shown]
+    if weight is not None:
+        parts.append(f"weight=<tensor of shape {tuple(weight.shape)}>")
+    parts += [f"{k}={v!r}" for k, v in extra.items()]
+    return ", ".join(parts)

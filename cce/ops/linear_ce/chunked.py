@@ -53,8 +53,8 @@ class ChunkedProblem:
         self.k = _math.LossConsts(ls, z_loss, self.V)
         self.valid = targets != ignore_index
         self.safe_t = torch.where(self.valid, targets, torch.zeros_like(targets))
-        self.w_t = _math.target_weight(weight, targets, self.valid)
-        self.W = _math.weight_total(weight, self.V, e2d.device)
+        self.w_t = _math.target_weight(weight, targets, self.valid, self.acc)
+        self.W = _math.weight_total(weight, self.V, e2d.device, self.acc)
         # The smoothing term -gamma_i w_v is rank-1 unless softcap's derivative multiplies it.
         self.fold_smoothing = self.k.smoothing and softcap > 0
         self.eps = eps if (self.cpu and not self.fold_smoothing) else 0.0
@@ -263,15 +263,13 @@ class ChunkedProblem:
         def coef(prow, lse_c):
             hc = None if h is None else h[prow]
             v = self.valid[prow]
-            alpha, beta, gamma = _math.coefficients(
-                g[prow], hc, lse_c.float(), self.w_t[prow], self.W, v, self.k
-            )
+            alpha, beta, gamma = _math.coefficients(g[prow], hc, lse_c, self.w_t[prow], self.W, v, self.k)
             eta = None
             if u is not None or delta is not None:
                 uc = None if u is None else u[prow]
                 dc = None if delta is None else delta[prow]
                 ent = None if entropy is None else entropy[prow]
-                alpha, beta, eta = _math.output_coefficients(alpha, beta, uc, dc, lse_c.float(), ent, v)
+                alpha, beta, eta = _math.output_coefficients(alpha, beta, uc, dc, lse_c, ent, v)
             if inv_t != 1.0:
                 alpha, beta, gamma = alpha * inv_t, beta * inv_t, gamma * inv_t
                 eta = None if eta is None else eta * inv_t

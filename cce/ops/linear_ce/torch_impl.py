@@ -67,22 +67,22 @@ def _empty(ref: torch.Tensor) -> torch.Tensor:
 )
 def linear_ce_torch_fwd(a: FwdArgs):
     """(loss, lse, tgt, entropy, argmax, dE, dC, dbias): lse, the target logit and the entropy
-    per row (fp32, 0 at ignored rows), the argmax (int64); entropy and argmax only when asked
-    for, the gradients (for a unit upstream gradient) only when ``precompute`` (else empty)."""
+    per row (0 at ignored rows), the argmax (int64); entropy and argmax only when asked for, the
+    gradients (for a unit upstream gradient) only when ``precompute`` (else empty). The loss and
+    the per-row outputs are in the accumulation dtype: fp32, float64 for float64 inputs (whose
+    results then carry no fp32 rounding, as torch.autograd.gradcheck needs)."""
     pb = _problem(a, a.filter_eps, a.want_entropy, a.want_argmax)
     g = None
     if a.precompute:
-        ones = torch.ones((), dtype=torch.float32, device=a.e2d.device)
+        ones = torch.ones((), dtype=pb.acc, device=a.e2d.device)
         g = _math.row_upstream(ones, pb.w_t, a.reduction, pb.N)
     coef = None if g is None else pb.loss_coefficients(g, None)
     lse, tgt, ssum, dE, dC, dbias = pb.run(coef, None, a.need_de, a.need_dc, a.need_dbias)
-    loss_tok = _math.token_loss(
-        lse.float(), tgt.float(), None if ssum is None else ssum.float(), pb.w_t, pb.W, pb.valid, pb.k
-    )
+    loss_tok = _math.token_loss(lse, tgt, ssum, pb.w_t, pb.W, pb.valid, pb.k)
     loss = _math.reduce_loss(loss_tok, pb.w_t, a.reduction)
-    lse_out = torch.where(pb.valid, lse.float(), 0.0)
-    tgt_out = torch.where(pb.valid, tgt.float(), 0.0)
-    ent = _empty(lse_out) if pb.entropy is None else torch.where(pb.valid, pb.entropy.float(), 0.0)
+    lse_out = torch.where(pb.valid, lse, 0.0)
+    tgt_out = torch.where(pb.valid, tgt, 0.0)
+    ent = _empty(lse_out) if pb.entropy is None else torch.where(pb.valid, pb.entropy, 0.0)
     amax = a.targets.new_empty(0) if pb.argmax is None else pb.argmax
     return (
         loss,
@@ -100,10 +100,10 @@ def _fwd_fake(a: FwdArgs):
     N = a.targets.shape[0]
     acc = _math.acc_dtype(a.e2d.dtype)
     pre = a.precompute
-    loss = a.e2d.new_empty((N,) if a.reduction == "none" else (), dtype=torch.float32)
-    lse = a.e2d.new_empty((N,), dtype=torch.float32)
-    tgt = a.e2d.new_empty((N,), dtype=torch.float32)
-    ent = a.e2d.new_empty((N,) if a.want_entropy else (0,), dtype=torch.float32)
+    loss = a.e2d.new_empty((N,) if a.reduction == "none" else (), dtype=acc)
+    lse = a.e2d.new_empty((N,), dtype=acc)
+    tgt = a.e2d.new_empty((N,), dtype=acc)
+    ent = a.e2d.new_empty((N,) if a.want_entropy else (0,), dtype=acc)
     amax = a.targets.new_empty((N,) if a.want_argmax else (0,), dtype=torch.int64)
     dE = a.e2d.new_empty(a.e2d.shape if (pre and a.need_de) else (0,), dtype=acc)
     dC = a.c.new_empty(a.c.shape if (pre and a.need_dc) else (0,), dtype=acc)
@@ -121,8 +121,8 @@ class BwdArgs(NamedTuple):
     weight: torch.Tensor | None
     rows: torch.Tensor | None
     targets: torch.Tensor
-    lse: torch.Tensor  # [N] fp32 saved by the forward
-    g: torch.Tensor  # [N] fp32 upstream gradient of each row's loss
+    lse: torch.Tensor  # [N] saved by the forward (accumulation dtype)
+    g: torch.Tensor  # [N] upstream gradient of each row's loss (accumulation dtype)
     h: torch.Tensor | None  # [N] upstream gradient of the lse output
     u: torch.Tensor | None  # [N] upstream gradient of the target logit output
     delta: torch.Tensor | None  # [N] upstream gradient of the entropy output
@@ -175,26 +175,36 @@ def _setup_context(ctx, a: FwdArgs, output) -> None:
     ctx.dtypes = (a.e2d.dtype, a.c.dtype, None if a.bias is None else a.bias.dtype)
     # Precomputed gradients are kept on ctx, not saved tensors: backward scales them in place,
     # which would trip autograd's version check on saved tensors.
-    ctx.pre = ((dE, dC, db), (a.need_de, a.need_dc, a.need_dbias)) if a.precompute else None
+    ctx.pre = (dE, dC, db) if a.precompute else None
     ctx.save_for_backward(a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, ent)
 
 
 def _backward(ctx, g_loss, g_lse, g_tgt, g_ent, _g_amax, _g_de, _g_dc, _g_db):
     a: FwdArgs = ctx.args
     e_dtype, c_dtype, b_dtype = ctx.dtypes
+    acc = _math.acc_dtype(e_dtype)
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     needs = (need_de, need_dc, need_db)
     rest = (None,) * (len(FwdArgs._fields) - 3)
     others = (g_lse, g_tgt, g_ent)
-    done = ctx.pre is not None and all(d or not need for d, need in zip(ctx.pre[1], needs, strict=True))
-    if done and all(x is None for x in others):
-        # The gradients were computed in forward for a unit upstream gradient: scale them in
-        # place (no second copy). A second backward through a retained graph recomputes below.
-        (dE, dC, db), _ = ctx.pre
-        ctx.pre = None
+    covered = a.precompute and all(
+        d or not need for d, need in zip((a.need_de, a.need_dc, a.need_dbias), needs, strict=True)
+    )
+    if covered and all(x is None for x in others):
+        # The gradients for a unit upstream gradient come from the forward: scaled in place (no
+        # second copy). They are spent by the first backward; a second one through a retained
+        # graph runs the forward's pass again, whose operations and summation order are the
+        # same, so that every backward gives the same gradients bit for bit (a recomputation
+        # from the saved lse, below, rounds differently: ~1e-7 relative in fp32).
         if g_loss is None:
             return (None, None, None, *rest)
-        s = g_loss.float()
+        pre, ctx.pre = ctx.pre, None
+        if pre is None:
+            e2d, c, bias, weight, rows, targets, _, _ = ctx.saved_tensors
+            full = a._replace(e2d=e2d, c=c, bias=bias, weight=weight, rows=rows, targets=targets)
+            pre = linear_ce_torch_fwd(*full)[5:]
+        dE, dC, db = pre
+        s = g_loss.to(acc)
 
         # (No shortcut for s == 1: this backward is traced under torch.compile, where a Python
         # branch on a tensor's value is a data-dependent guard.)
@@ -204,10 +214,10 @@ def _backward(ctx, g_loss, g_lse, g_tgt, g_ent, _g_amax, _g_de, _g_dc, _g_db):
         return (scale(dE, e_dtype, need_de), scale(dC, c_dtype, need_dc), scale(db, b_dtype, need_db), *rest)
     e2d, c, bias, weight, rows, targets, lse, ent = ctx.saved_tensors
     valid = targets != a.ignore_index
-    w_t = _math.target_weight(weight, targets, valid)
+    w_t = _math.target_weight(weight, targets, valid, acc)
     N = targets.numel()
     if g_loss is None:
-        g = torch.zeros(N, dtype=torch.float32, device=targets.device)
+        g = torch.zeros(N, dtype=acc, device=targets.device)
     else:
         g = _math.row_upstream(g_loss, w_t, a.reduction, N)
     need_db = need_db and bias is not None

@@ -284,9 +284,10 @@ def _fwd_kernel(
 
 # The splits' partial statistics merged per row i (parts p = 0 .. P-1, rows of Mx / Se / Ss):
 #
-#   M_i = max_p Mx[p, i] (NaN if any is),  done_i = M_i finite (false for rows no split wrote:
-#         m = -inf, S = 0),
-#   lse_i = M_i + log sum_p Se[p, i] exp(Mx[p, i] - M_i)           (0 where not done),
+#   M_i = max_p Mx[p, i] (NaN if any is),  done_i = M_i > -inf or NaN (false for rows no split
+#         wrote: m = -inf, S = 0),
+#   lse_i = M_i + log sum_p Se[p, i] exp(Mx[p, i] - M_i)           (0 where not done; NaN where
+#         M_i or a part's sum is: a non-finite logit reaches the loss, never a finite value),
 #   Tl_i = Zt_i, SsOut_i = sum_p Ss[p, i]                           (0 where not done),
 #   M0Out_i = M0_i where finite, else 0                             (the head tile's lse).
 #
@@ -307,10 +308,10 @@ def _merge_kernel(
     M = tl.full([BLOCK], float("-inf"), tl.float32)
     pm = Mx + offs
     for _ in range(0, parts):
-        # (NaN propagates, as in torch's max: such a row is not done and reads 0, as before)
+        # (NaN propagates, as in torch's max)
         M = tl.maximum(M, tl.load(pm, mask=mask, other=float("-inf")), propagate_nan=tl.PropagateNan.ALL)
         pm += stride_part
-    done = tl.abs(M) < float("inf")  # (false for -inf and NaN, as torch.isfinite)
+    done = M != float("-inf")  # (true for NaN and +inf: those rows' lse is NaN, not 0)
     Mz = tl.where(done, M, 0.0)
     S = tl.zeros([BLOCK], tl.float32)
     ss = tl.zeros([BLOCK], tl.float32)
@@ -324,7 +325,10 @@ def _merge_kernel(
         if HAS_SS:
             ss += tl.load(pss, mask=mask, other=0.0)
             pss += stride_part
-    tl.store(Lse + offs, tl.where(done, Mz + tl.log(tl.where(done, S, 1.0)), 0.0), mask=mask)
+    # (S is NaN where a split's sum is, e.g. a row of NaN logits whose max reads -inf: its lse
+    # is NaN too)
+    nan_s = S != S
+    tl.store(Lse + offs, tl.where(done | nan_s, Mz + tl.log(tl.where(done | nan_s, S, 1.0)), 0.0), mask=mask)
     tl.store(Tl + offs, tl.where(done, tl.load(Zt + offs, mask=mask, other=0.0), 0.0), mask=mask)
     if HAS_SS:
         tl.store(SsOut + offs, tl.where(done, ss, 0.0), mask=mask)
@@ -574,7 +578,7 @@ def linear_ce_forward(
     ent = amax = None
     if entropy or argmax:
         M = Mx.max(0).values
-        done = torch.isfinite(M)
+        done = M != float("-inf")  # (NaN / +inf rows propagate, as in _merge_kernel)
         Mz = torch.where(done, M, 0.0)
         S = (Se * torch.exp(Mx - Mz)).sum(0)
     if entropy:
