@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _math
 from .options import CCEOptions
 
 
@@ -53,11 +54,14 @@ def assemble(
     argmax: torch.Tensor | None,
     targets: torch.Tensor,
     per_token: Callable[[torch.Tensor], torch.Tensor],
+    bad: torch.Tensor | None = None,
 ):
     """The call's result from flat per-row tensors over the problem's rows ([N]: lse and tgt fp32,
     0 at ignored rows; entropy fp32, 0 at ignored rows; argmax int64; ``targets`` the rows'
     targets): the loss alone, ``(loss, lse)`` with ``return_lse`` only, else a
-    :class:`LossOutputs`. ``per_token`` shapes a flat [N] tensor as the per-token outputs."""
+    :class:`LossOutputs`. ``per_token`` shapes a flat [N] tensor as the per-token outputs.
+    ``bad`` (per row, cce._validation.guard_targets): the log-probabilities of those rows and the
+    accuracy are NaN (the caller has made the loss so)."""
     if not opts.token_outputs:
         return (loss, per_token(lse)) if opts.return_lse else loss
     valid = targets != opts.ignore_index
@@ -65,7 +69,7 @@ def assemble(
     if opts.return_lse:
         out["lse"] = per_token(lse)
     if opts.return_logprobs:
-        out["logprobs"] = per_token(torch.where(valid, tgt - lse, 0.0))
+        out["logprobs"] = per_token(_math.nan_at_bad_targets(torch.where(valid, tgt - lse, 0.0), bad))
     if opts.return_entropy:
         out["entropy"] = per_token(entropy)
     if argmax is not None:
@@ -74,5 +78,5 @@ def assemble(
             out["argmax"] = per_token(amax)
         if opts.return_accuracy:
             hits = (valid & (amax == targets)).sum().float()
-            out["accuracy"] = hits / valid.sum().clamp(min=1).float()
+            out["accuracy"] = _math.nan_at_bad_targets(hits / valid.sum().clamp(min=1).float(), bad)
     return LossOutputs(**out)

@@ -207,11 +207,7 @@ def _finish(r: _Rows, tgt: torch.Tensor, opts: CCEOptions, out_shape, bad: torch
     loss = _math.nan_at_bad_targets(_math.reduce_loss(r.loss, r.w_t, opts.reduction), bad)
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
-    tgt_logit = _math.nan_at_bad_targets(r.tgt, bad) if opts.return_logprobs else r.tgt
-    out = assemble(opts, loss, r.lse, tgt_logit, r.entropy, r.argmax, tgt, lambda x: x.reshape(out_shape))
-    if opts.return_accuracy and bad is not None:
-        out = out._replace(accuracy=_math.nan_at_bad_targets(out.accuracy, bad))
-    return out
+    return assemble(opts, loss, r.lse, r.tgt, r.entropy, r.argmax, tgt, lambda x: x.reshape(out_shape), bad)
 
 
 def _group_of(c, bias, weight, process_group):

@@ -796,10 +796,26 @@ def _run_group(world: int, tmp: Path) -> dict[str, list[str]]:
     return out
 
 
-# Each group's processes run once per pytest process: under pytest-xdist (--dist loadgroup) all
-# the tests of one group go to one worker, so that no two workers start the same group; the
-# fixtures are session-scoped, as a worker may run other modules' tests between a group's (a
-# module-scoped fixture would then be torn down and the group started again).
+def _shared_group(world: int, tmp_path_factory) -> dict[str, list[str]]:
+    """_run_group once per test run: under pytest-xdist the group's tests may reach several
+    workers (an xdist_group does not hold them together when a worker has other modules' tests
+    between them), so the first worker to ask runs the group and writes its results into the
+    run's shared temporary directory under a file lock; the others wait and read them."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return _run_group(world, tmp_path_factory.mktemp(f"world{world}"))
+    from filelock import FileLock  # (a dependency of torch)
+
+    shared = tmp_path_factory.getbasetemp().parent / f"gloo-world{world}.json"  # one per run
+    with FileLock(str(shared) + ".lock"):
+        if not shared.is_file():
+            shared.write_text(json.dumps(_run_group(world, tmp_path_factory.mktemp(f"world{world}"))))
+        return json.loads(shared.read_text())
+
+
+# Each group's processes run once per test run (_shared_group); the fixtures are session-scoped,
+# as a worker may run other modules' tests between a group's (a module-scoped fixture would then
+# be torn down and the group started again). The xdist_group marks keep a group's tests on one
+# worker where the scheduler can.
 @pytest.fixture(
     scope="session",
     params=[
@@ -812,7 +828,7 @@ def group_results(request, tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     world = request.param
-    return world, _run_group(world, tmp_path_factory.mktemp(f"world{world}"))
+    return world, _shared_group(world, tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", _tier(ALL_CASES))
@@ -824,7 +840,7 @@ def test_distributed(group_results, case):
 def world1_results(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    return 1, _run_group(1, tmp_path_factory.mktemp("world1"))
+    return 1, _shared_group(1, tmp_path_factory)
 
 
 @pytest.mark.skipif(not INTERPRETING, reason="impl='triton' on CPU tensors needs the Triton interpreter")

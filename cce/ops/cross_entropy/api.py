@@ -120,16 +120,11 @@ def _cross_entropy(
         return x[..., :-1].contiguous() if opts.shift else x
 
     loss = _math.nan_at_bad_targets(loss, bad)
-    if opts.return_logprobs:
-        tgt_logit = _math.nan_at_bad_targets(tgt_logit, bad)
     if opts.reduction == "none":
         loss = per_token(loss)
     entropy = entropy if opts.return_entropy else None  # (empty when not asked for)
     argmax = argmax if want_argmax else None
-    out = assemble(opts, loss, lse, tgt_logit, entropy, argmax, t, per_token)
-    if opts.return_accuracy and bad is not None:
-        out = out._replace(accuracy=_math.nan_at_bad_targets(out.accuracy, bad))
-    return out
+    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, t, per_token, bad)
 
 
 def cross_entropy(

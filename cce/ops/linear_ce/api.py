@@ -96,14 +96,9 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions, check_o
             opts.return_entropy, want_argmax,
         )  # fmt: skip
     loss = _math.nan_at_bad_targets(loss, bad)
-    if opts.return_logprobs:
-        tgt_logit = _math.nan_at_bad_targets(tgt_logit, bad)
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
-    out = assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape))
-    if opts.return_accuracy and bad is not None:
-        out = out._replace(accuracy=_math.nan_at_bad_targets(out.accuracy, bad))
-    return out
+    return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape), bad)
 
 
 def linear_cross_entropy(

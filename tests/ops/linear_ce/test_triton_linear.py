@@ -331,9 +331,9 @@ def test_dispatch_by_size():
 @pytest.mark.parametrize("smoothing", [False, True])
 def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     """forward.merge_splits against the splits' merge written in torch: rows no split wrote
-    (m = -inf, S = 0), parts that never saw a row, a NaN partial, a non-finite head lse; N not a
-    multiple of the kernel's block. Equal to fp32 rounding (the sums over parts may associate
-    differently)."""
+    (m = -inf, S = 0: 0), parts that never saw a row, a NaN partial (NaN: a non-finite logit
+    reaches the loss), a non-finite head lse; N not a multiple of the kernel's block. Equal to
+    fp32 rounding (the sums over parts may associate differently)."""
     from cce.ops.linear_ce.kernels.forward import merge_splits
 
     N = 1500
@@ -343,7 +343,9 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     unseen = torch.rand(parts, N, device=dev) < 0.3
     Mx[unseen], Se[unseen] = float("-inf"), 0.0
     Mx[:, :7], Se[:, :7] = float("-inf"), 0.0  # never written
-    Mx[0, 20] = float("nan")  # a NaN in one part: not done, as torch's max propagates it
+    Mx[0, 20] = float("nan")  # a NaN in one part: torch's max propagates it, and so does the lse
+    Se[:, 30] = float("nan")  # a NaN sum under a -inf max (a row of NaN logits): NaN too
+    Mx[:, 30] = float("-inf")
     Ss = torch.randn(parts, N, device=dev) if smoothing else None
     zt = torch.randn(N, device=dev)
     m0 = torch.randn(N, device=dev)
@@ -351,16 +353,18 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     lse, tl_, ss, m0o = merge_splits(Mx, Se, Ss, zt, m0)
 
     M = Mx.max(0).values
-    done = torch.isfinite(M)
+    done = M != float("-inf")
     Mz = torch.where(done, M, 0.0)
     S = (Se * torch.exp(Mx - Mz)).sum(0)
-    ref = torch.where(done, Mz + torch.log(torch.where(done, S, 1.0)), 0.0)
-    torch.testing.assert_close(lse, ref, rtol=1e-6, atol=1e-6)
+    live = done | S.isnan()
+    ref = torch.where(live, Mz + torch.log(torch.where(live, S, 1.0)), 0.0)
+    torch.testing.assert_close(lse, ref, rtol=1e-6, atol=1e-6, equal_nan=True)
     assert torch.equal(tl_, torch.where(done, zt, 0.0))
     assert torch.equal(m0o, torch.where(torch.isfinite(m0), m0, 0.0))
-    assert (lse[:7] == 0).all() and lse[20] == 0 and tl_[20] == 0
+    assert (lse[:7] == 0).all() and lse[20].isnan() and lse[30].isnan() and tl_[20] == zt[20]
     if smoothing:
-        torch.testing.assert_close(ss, torch.where(done, Ss.sum(0), 0.0), rtol=1e-6, atol=1e-6)
+        ref_ss = torch.where(done, Ss.sum(0), 0.0)
+        torch.testing.assert_close(ss, ref_ss, rtol=1e-6, atol=1e-6, equal_nan=True)
     else:
         assert ss is None
     assert merge_splits(Mx, Se, Ss, zt, None)[3] is None

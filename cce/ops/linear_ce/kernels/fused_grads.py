@@ -23,9 +23,10 @@ where those are bounded.
 
 Rounding: q = e^(L - m') <= 1 rounds once (relative 2^-9 in bf16, which keeps fp32's exponent
 range), dZ = f q once more: the same relative error per entry as a dZ rounded from fp32 logits,
-twice. Not at the target entry: dZ_t = alpha p_t - beta cancels where p_t ~ 1, so it is formed
-in fp32 from the target's own logit (the forward's target-logit kernel), and its rounding
-remainder dZ_t - round(dZ_t) (16-bit operands) goes back into dE in fp32. Ignored rows have zero
+twice. Not at the target entry with 16-bit q: dZ_t = alpha p_t - beta cancels where p_t ~ 1, so
+it is formed in fp32 from the target's own logit (the forward's target-logit kernel), and its
+rounding remainder dZ_t - round(dZ_t) goes back into dE in fp32 (fp32 q keeps p_t to 2^-24: there
+the target entry comes from q like the rest of the row). Ignored rows have zero
 coefficients, so their dZ rows are zero (q <= 1 is finite); they cost their share of the
 matmuls (no row compaction, which would need the valid count on the host).
 
@@ -83,7 +84,7 @@ def _dz_kernel(
     alpha = tl.load(A0 + i)
     if HAS_ZLOSS:
         alpha += tl.load(A1 + i) * lse
-    dzt = alpha * jm.exp(zt - lse) - tl.load(Beta + i)
+    dzt = alpha * jm.exp(zt - lse) - tl.load(Beta + i)  # (16-bit q)
     if HAS_SMOOTH:
         gamma = tl.load(Gamma + i)
         if HAS_WEIGHT:
@@ -93,6 +94,13 @@ def _dz_kernel(
     if HAS_SOFTCAP:
         th = zt * th_scale
         dzt *= 1.0 - th * th
+    # fp32 q keeps the target entry to 2^-24 of p_t: there it comes from q, as the rest of the row
+    # (from the same logits; the target-logit kernel's z_t differs from the matmul's by its
+    # summation order, which p_t ~ 1 turns into a relative error of dZ_t)
+    HALF: tl.constexpr = Q.dtype.element_ty != tl.float32
+    beta_t = tl.load(Beta + i)
+    if HAS_SOFTCAP:
+        beta_t *= 1.0 - th * th
     q_row = Q + r * stride_q
     offs = tl.arange(0, BLOCK_V)
     for j in range(0, n_vtiles):
@@ -105,7 +113,10 @@ def _dz_kernel(
                 dz -= gamma * tl.load(W + vid, mask=live, other=0.0).to(tl.float32)
             else:
                 dz -= gamma
-        dz = tl.where(vid == t, dzt, dz)
+        if HALF:
+            dz = tl.where(vid == t, dzt, dz)
+        else:
+            dz = tl.where(vid == t, dz - beta_t, dz)
         tl.store(q_row + vid, dz.to(Q.dtype.element_ty), mask=live)
     if TARGET_LO:
         tl.store(Lo + i, dzt - dzt.to(Q.dtype.element_ty).to(tl.float32))
