@@ -204,9 +204,9 @@ def test_sparse_backward_with_first_order_is_the_model(std, entropy, monkeypatch
     error is within the target, the rank-1 corrections' is not), and the sparse backward then
     computes exactly the model: rank-1 corrections with an even dC spread plus alpha_i S_i Gbar e_i
     and rate_j delta_v H, from the forward's own decoded masses (float64 model; fp32 GEMMs over
-    D = 32 and 3000 classes: 2e-5). With ``entropy`` an upstream gradient on the entropy output
+    D = 32 and 1500 classes: 2e-5). With ``entropy`` an upstream gradient on the entropy output
     as well (loss - 0.3 H per row, random weights): the model's coefficients with eta."""
-    N, D, V = 64, 32, 3000
+    N, D, V = 64, 32, 1500
     e, c, t = near_uniform_inputs(N, D, V, std=std)
     tu = Tuning(backward="sparse", dense_slabs=True)
     out = triton_training_forward(e, c, t, EPS, tu)
