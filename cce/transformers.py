@@ -5,7 +5,7 @@
     out = model(input_ids, labels=labels)         # out.loss from cce, out.logits is None
 
 One generic mechanism serves every ``*ForCausalLM`` whose forward runs ``lm_head`` once on the final
-hidden states. ``patch`` sets a forward on the model *instance* (never the class) and one on its
+hidden states. ``patch`` sets a forward on the model *instance* (never on its class) and one on its
 ``lm_head`` instance; both read one small per-instance state object (options, flags). When labels
 are given, the model's own forward runs with ``labels=None`` while the head *captures* its input
 instead of computing logits (it returns an empty ``(..., 0)`` tensor, so the family's own
@@ -21,6 +21,13 @@ A PEFT LoRA layer on ``lm_head`` is supported whether PEFT wraps the head before
 ``patch``: the head module is looked up at every labelled forward and the one the model calls now
 captures (its adapters' rank-r factors included); the loss then runs on the adapted classifier as
 one linear map of width D + r (cce/peft.py).
+
+TRL's trainers install their own fused LM head on the model they train (an instance forward
+called with ``fused_lm_head=True``). On a patched model cce serves those calls, whether TRL came
+before or after ``patch``: so that TRL installing its head later cannot displace the patched
+forward, ``patch`` gives the instance a subclass of its class (same name and module) whose
+``__setattr__`` records TRL's forward (for its settings) instead of installing it; ``unpatch``
+restores the class and TRL's head (cce/trl.py).
 
 Without labels (generation, evaluation without labels) the model's own forward runs unchanged.
 The state lives on the instance (``model._cce_state``), so two patched models can differ, and a
@@ -44,6 +51,15 @@ from .distributed.fsdp import call_unsharded
 from .ops.linear_ce.api import linear_cross_entropy_with_options
 from .options import CCEOptions
 from .peft import LoraInputs, check_lora_layer, is_peft_module, lora_base_layer, lora_inputs, lora_terms
+from .trl import (
+    CCE_OUTPUTS,
+    FusedHead,
+    fused_head,
+    is_fused_head_forward,
+    mean_logits,
+    reinstall,
+    tiled_metrics,
+)
 
 __all__ = ["is_patched", "options", "patch", "token_logprobs", "unpatch"]
 
@@ -132,6 +148,9 @@ class _PatchState:
         self.hidden: torch.Tensor | None = None
         self.lora: LoraInputs | None = None
         self.aux_coef = 0.0
+        # TRL's fused-head forward, when TRL installed one after the patch (kept for its settings;
+        # the patched forward serves its calls: _fused_head_forward).
+        self.trl_forward = None
 
 
 def _head_forward(self: nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -195,6 +214,7 @@ def _head_loss(
     lora_names: tuple[str, ...],
     scale: float,
     opts: CCEOptions,
+    dtype: torch.dtype | None = None,
 ):
     """The loss from the head's parameters; runs where they are whole (see call_unsharded)."""
     linear = _classifier(head)
@@ -202,9 +222,10 @@ def _head_loss(
     e = hidden.to(c.device)
     # Match what the unpatched lm_head would compute in: under autocast the matmul runs in the
     # autocast dtype (a cast copy of the weight, as autocast itself makes); else in the weight's
-    # dtype (FSDP2's mixed-precision param dtype included).
+    # dtype (FSDP2's mixed-precision param dtype included). ``dtype`` overrides both.
     dev = e.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else c.dtype
+    dt = dtype or dt
     if lora_names:
         # LoRA head: logits = [x, u] @ [W, B]^T + (b + sum_a s_a b_a) (cce/peft.py), one linear map of
         # width D + R. The adapters' terms run in the base product's dtype (PEFT adds its fp32 adapter
@@ -238,13 +259,8 @@ def _with_columns(c: torch.Tensor, blocks: list[torch.Tensor], dt: torch.dtype) 
     return out
 
 
-def _cce_loss(
-    st: _PatchState,
-    cap: _Captured,
-    labels: torch.Tensor,
-    shift_labels: torch.Tensor | None,
-    num_items_in_batch,
-) -> torch.Tensor:
+def _call_targets(cap: _Captured, labels, shift_labels) -> tuple[bool, torch.Tensor]:
+    """(shift, targets) of a labelled call: ``labels`` shifted by one, or ``shift_labels`` as given."""
     shift = shift_labels is None
     targets = labels if shift else shift_labels
     if targets.shape != cap.hidden.shape[:-1]:
@@ -253,6 +269,17 @@ def _cce_loss(
             f"{tuple(cap.hidden.shape[:-1])} given to lm_head (a labelled forward must keep every position: "
             "leave logits_to_keep / num_logits_to_keep at 0)"
         )
+    return shift, targets
+
+
+def _cce_loss(
+    st: _PatchState,
+    cap: _Captured,
+    labels: torch.Tensor,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch,
+) -> torch.Tensor:
+    shift, targets = _call_targets(cap, labels, shift_labels)
     opts = st.call_options[("mean" if num_items_in_batch is None else "sum", shift)]
     # A fully_shard-ed (FSDP2) head has resharded its weight after its own (capturing) forward:
     # call_unsharded gathers it again around the loss and reduce-scatters its gradient, as FSDP2
@@ -265,13 +292,17 @@ def _cce_loss(
     return loss
 
 
-def _call_head_loss(st: _PatchState, cap: _Captured, targets: torch.Tensor, opts: CCEOptions):
+def _call_head_loss(
+    st: _PatchState, cap: _Captured, targets: torch.Tensor, opts: CCEOptions, scale: float | None = None,
+    dtype: torch.dtype | None = None,
+):  # fmt: skip
     # The adapters' inputs go with the hidden states as positional arguments: what the loss
     # differentiates, so that FSDP2 hooks them (the adapters' weights are read inside, gathered).
     lora = LoraInputs((), ()) if cap.lora is None else cap.lora
     return call_unsharded(
         cap.head, _head_loss, cap.hidden, lora.inputs, targets,
-        head=cap.head, lora_names=lora.names, scale=st.scale, opts=opts,
+        head=cap.head, lora_names=lora.names, scale=st.scale if scale is None else scale, opts=opts,
+        dtype=dtype,
     )  # fmt: skip
 
 
@@ -309,10 +340,90 @@ def _capture(model: nn.Module, st: _PatchState, kw: dict) -> _Captured:
     return _Captured(out, head, hidden, lora)
 
 
+def _trl_head(model: nn.Module, st: _PatchState) -> FusedHead:
+    """The settings of the fused head TRL installed on ``model`` (after the patch: recorded by the
+    watcher; before it: the forward the patch found; for a patched PEFT model, on its base model,
+    where TRL installs it)."""
+    head = fused_head(st.trl_forward) if st.trl_forward is not None else fused_head(st.prev_forward)
+    base = getattr(model, "get_base_model", None)
+    if head is None and callable(base):
+        head = fused_head(base().__dict__.get("forward"))
+    if head is None:
+        raise ValueError(
+            f"cce.transformers: {type(model).__name__} was called with fused_lm_head=True, but no TRL "
+            "fused LM head was installed on it (trl.trainer.utils.add_fused_lm_head)"
+        )
+    return head
+
+
+def _fused_head_forward(model: nn.Module, st: _PatchState, kw: dict):
+    """TRL's ``model(..., labels=..., fused_lm_head=True)`` computed by cce: the per-token fields of
+    TRL's ``FusedCausalLMOutput`` (log-probabilities, entropies, top-1 flags, zero at label -100)
+    and its loss, ``-sum(log_probs) / (num_items_in_batch or the label count)``, under the settings
+    TRL chose (temperature, the family's softcap and logit scale as TRL reads them, the fp32 cast)."""
+    head = _trl_head(model, st)
+    labels = kw.pop("labels", None)
+    shift_labels = kw.pop("shift_labels", None)
+    num_items_in_batch = kw.pop("num_items_in_batch", None)
+    kw.pop("return_dict", None)
+    if labels is None and shift_labels is None:
+        raise ValueError("cce.transformers: a fused_lm_head=True call needs labels (or shift_labels)")
+    kw["use_cache"] = False
+    _, text_cfg = _text_config(model)
+    if getattr(text_cfg, "output_router_logits", False):
+        kw.setdefault("output_router_logits", True)
+    cap = _capture(model, st, kw)
+    shift, targets = _call_targets(cap, labels, shift_labels)
+    opts = dataclasses.replace(
+        st.options, ignore_index=-100, reduction="none", shift=shift, softcap=head.softcap,
+        label_smoothing=0.0, z_loss=0.0, temperature=head.temperature, return_lse=False,
+        return_logprobs=True, return_entropy="entropy" in head.outputs,
+        return_argmax="is_top1" in head.outputs,
+    )  # fmt: skip
+    dtype = torch.float32 if head.cast_fp32 else None
+    out = _call_head_loss(st, cap, targets, opts, scale=head.scale, dtype=dtype)
+    t = targets[..., 1:] if shift else targets
+    hidden = cap.hidden[..., :-1, :] if shift else cap.hidden
+    mask = t != -100
+    fields = {"log_probs": out.logprobs.masked_fill(~mask, 0.0)}
+    if out.entropy is not None:
+        fields["entropy"] = out.entropy.masked_fill(~mask, 0.0)
+    if out.argmax is not None:
+        fields["is_top1"] = (out.argmax == t.to(out.argmax.device)) & mask
+    rest = tuple(o for o in head.outputs if o not in CCE_OUTPUTS)
+    if rest:
+        linear = _classifier(cap.head)
+        c, bias = linear.weight, linear.bias
+        h = hidden.to(c.device)
+        if "mean_logits" in rest and head.softcap is None:
+            fields["mean_logits"] = mean_logits(h, c, bias, head).masked_fill(~mask, 0.0)
+            rest = tuple(o for o in rest if o != "mean_logits")
+        if rest:
+            hm = h[mask] if not head.cast_fp32 else h[mask].float()
+            for k, v in tiled_metrics(hm, c, bias, t[mask], rest, head).items():
+                fields[k] = v.new_zeros(mask.shape).masked_scatter(mask, v)
+    loss = -fields["log_probs"].sum()
+    if num_items_in_batch is None:
+        loss = loss / mask.sum().clamp(min=1)
+    else:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    aux = None
+    if kw.get("output_router_logits"):
+        aux = cap.out.get("aux_loss")
+        if aux is not None:
+            loss = loss + float(getattr(text_cfg, "router_aux_loss_coef", 0.0)) * aux.to(loss.device)
+    return head.output_type(loss=loss, label_mask=mask, aux_loss=aux, **fields)
+
+
 def _patched_forward(self: nn.Module, *args, **kwargs):
     """The body of the instance forward installed by :func:`patch`."""
     st: _PatchState = self._cce_state
     kw = _as_kwargs(self, args, kwargs)
+    if kw.pop("fused_lm_head", False):  # TRL's fused head (cce/trl.py)
+        return _fused_head_forward(self, st, kw)
+    kwargs.pop("fused_lm_head", None)
     labels = kw.pop("labels", None)
     if labels is None:
         if st.prev_forward is not None:
@@ -347,6 +458,36 @@ def _instance_forward(cls_forward):
         return _patched_forward(self, *args, **kwargs)
 
     return forward
+
+
+def _watch_forward(model: nn.Module) -> None:
+    """Gives ``model`` (this instance only) a subclass of its class, same name and module, whose
+    ``__setattr__`` keeps the patched forward in front when TRL installs its fused LM head after
+    the patch: the assignment ``model.forward = <TRL's fused forward>`` is recorded in the patch
+    state (``trl_forward``, for its settings) instead of replacing the patched forward, which
+    serves ``fused_lm_head=True`` itself. Any other assignment goes through unchanged."""
+    cls = type(model)
+    if cls.__dict__.get("_cce_watched_base") is not None:
+        return
+
+    def __setattr__(self, name, value):
+        st = self.__dict__.get(_STATE_ATTR)
+        if name == "forward" and st is not None and is_fused_head_forward(value):
+            fused_head(value)  # refuses a form it does not know now, not at the first step
+            st.trl_forward = value
+            return
+        super(watched, self).__setattr__(name, value)
+
+    ns = {"__setattr__": __setattr__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+          "__doc__": cls.__doc__, "_cce_watched_base": cls}  # fmt: skip
+    watched = type(cls.__name__, (cls,), ns)
+    model.__class__ = watched
+
+
+def _unwatch_forward(model: nn.Module) -> None:
+    base = type(model).__dict__.get("_cce_watched_base")
+    if base is not None:
+        model.__class__ = base
 
 
 def patch(
@@ -410,8 +551,13 @@ def patch(
     if not isinstance(coef, numbers.Real):
         coef = getattr(_text_config(model)[1], "router_aux_loss_coef", None)
     st.aux_coef = float(coef) if isinstance(coef, numbers.Real) and not isinstance(coef, bool) else 0.0
+    if old is not None:
+        st.trl_forward = old.trl_forward
+    if is_fused_head_forward(st.prev_forward):
+        fused_head(st.prev_forward)  # refuses a TRL head of a form cce does not know
     model.__dict__[_STATE_ATTR] = st
     _install_head(st, head)
+    _watch_forward(model)
     return model
 
 
@@ -428,6 +574,10 @@ def unpatch(model: nn.Module) -> nn.Module:
             mod.__dict__.pop("forward", None)
         else:
             mod.__dict__["forward"] = prev
+    _unwatch_forward(model)
+    if st.trl_forward is not None:
+        # TRL installed its fused head after the patch: it gets its own one back.
+        reinstall(model, fused_head(st.trl_forward))
     return model
 
 

@@ -7,7 +7,14 @@ temperature, scores them with a toy reward (the share of even token ids), and ta
 the clipped GRPO objective with an entropy bonus. The per-token log-probabilities and entropies
 come from :func:`cce.transformers.token_logprobs`: the model never forms its ``(B, T, V)`` logits.
 The first step is checked against the same objective computed from materialized logits (loss and
-every parameter's gradient); the script prints both and the rewards per step.
+every parameter's gradient); the script prints both.
+
+Each batch of samples gets ``--updates`` optimizer steps (PPO-style epochs). At the first one the
+policy is the one that sampled, so the ratio is 1 and the clipped term's value is the mean
+group-normalized advantage, 0: that loss shows only the entropy bonus, -beta * mean entropy,
+although its gradient is the full policy gradient. The later updates move the ratio away from 1
+and their loss falls below it. Per step the script prints the mean reward, the sampled tokens'
+mean log-probability and entropy (what the updates change), and the loss of every update.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--updates", type=int, default=2, help="optimizer steps per batch of samples")
     args = ap.parse_args(argv)
 
     ref = build()
@@ -85,36 +93,56 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW(policy.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, 512, (2, 6), generator=gen)
-    log = {"rewards": [], "check": None}
+    log = {"rewards": [], "check": None, "losses": [], "logprobs": []}
     for step in range(args.steps):
         seq, labels = sample(policy, prompts, args.group, 10, args.temperature, gen)
         r = reward(seq, prompts.shape[1]).view(-1, args.group)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
         mask = (labels[:, 1:] != IGNORE).float()
-        out = cce.transformers.token_logprobs(
-            policy, seq, labels=labels, temperature=args.temperature, entropy=True
-        )
-        old = out.logprobs.detach()  # one update per batch: the old policy is this one
-        loss = grpo_loss(out.logprobs, old, adv, out.entropy, mask)
-        opt.zero_grad()
-        loss.backward()
-        if step == 0:  # the same step from materialized logits, on an unpatched copy
-            lp, ent = materialized(ref, seq, labels, args.temperature)
-            ref_loss = grpo_loss(lp, lp.detach(), adv, ent, mask)
-            ref.zero_grad()
-            ref_loss.backward()
-            worst = max(
-                float((p.grad - q.grad).norm() / q.grad.norm().clamp(min=1e-30))
-                for p, q in zip(policy.parameters(), ref.parameters(), strict=True)
-                if q.grad is not None
+        losses, old = [], None
+        for update in range(args.updates):
+            out = cce.transformers.token_logprobs(
+                policy, seq, labels=labels, temperature=args.temperature, entropy=True
             )
-            log["check"] = (float(loss.detach()), float(ref_loss.detach()), worst)
-            print(f"step 0: cce loss {log['check'][0]:.6f}, materialized {log['check'][1]:.6f}, "
-                  f"largest relative gradient difference {worst:.2e}")  # fmt: skip
-        opt.step()
+            if old is None:  # the policy that sampled: the ratio's denominator for every update
+                old = out.logprobs.detach()
+                mean_lp = float((old * mask).sum() / mask.sum())
+                mean_ent = float((out.entropy.detach() * mask).sum() / mask.sum())
+            loss = grpo_loss(out.logprobs, old, adv, out.entropy, mask)
+            opt.zero_grad()
+            loss.backward()
+            if step == 0 and update == 0:
+                log["check"] = check(ref, seq, labels, args.temperature, adv, mask, loss, policy)
+            opt.step()
+            losses.append(float(loss.detach()))
         log["rewards"].append(float(r.mean()))
-        print(f"step {step}: mean reward {float(r.mean()):.3f}, loss {float(loss.detach()):.4f}")
+        log["losses"].append(losses)
+        log["logprobs"].append(mean_lp)
+        print(
+            f"step {step}: mean reward {float(r.mean()):.3f}, sampled tokens' mean log-prob {mean_lp:.4f}, "
+            f"entropy {mean_ent:.4f}, loss per update " + ", ".join(f"{x:.4f}" for x in losses)
+        )
     return log
+
+
+def check(ref, seq, labels, temperature, adv, mask, loss, policy) -> tuple[float, float, float]:
+    """The first update from materialized logits on an unpatched copy: (cce loss, materialized loss,
+    largest relative difference of a parameter's gradient), printed."""
+    lp, ent = materialized(ref, seq, labels, temperature)
+    ref_loss = grpo_loss(lp, lp.detach(), adv, ent, mask)
+    ref.zero_grad()
+    ref_loss.backward()
+    worst = max(
+        float((p.grad - q.grad).norm() / q.grad.norm().clamp(min=1e-30))
+        for p, q in zip(policy.parameters(), ref.parameters(), strict=True)
+        if q.grad is not None
+    )
+    out = (float(loss.detach()), float(ref_loss.detach()), worst)
+    print(
+        f"step 0: cce loss {out[0]:.6f}, materialized {out[1]:.6f}, "
+        f"largest relative gradient difference {worst:.2e}"
+    )
+    return out
 
 
 if __name__ == "__main__":

@@ -443,3 +443,6 @@ def test_grpo_example_matches_materialized():
     log = main(["--steps", "1"])
     loss, ref_loss, worst = log["check"]
     assert abs(loss - ref_loss) <= TOL * max(1.0, abs(ref_loss)) and worst < TOL
+    # The printed progress: the batch's second update (ratio no longer 1) has a lower loss.
+    first, second = log["losses"][0]
+    assert second < first

@@ -181,7 +181,7 @@ FSDP_CASES = ("fsdp_head_separate", "fsdp_head_vocab_parallel", "fsdp_root_only_
 # cce.linear_cross_entropy(..., process_group=) and a DTensor classifier through the public API
 # (run once cce.linear forwards them to cce.distributed).
 API_INTEGRATED = "process_group" in inspect.signature(cce.linear_cross_entropy).parameters
-API_CASES = ("api_process_group", "api_dtensor", "api_module")
+API_CASES = ("api_process_group", "api_dtensor", "api_module", "api_verl")
 # cce.transformers.patch on a tiny Llama under FSDP2 (lm_head in the root's group, or its own).
 # Only in the 2-process group (importing transformers costs ~8 s per process on 2 cores).
 HF_CASES = ("hf_patch_fsdp_layers", "hf_patch_fsdp_head")
@@ -601,7 +601,34 @@ def _fsdp_case(name, rank, world, group):
     assert model.lm_head.weight.grad.to_local().shape[0] < V
 
 
+def _verl_case(name, rank, world, group):
+    """cce.verl.linear_cross_entropy with dist_process_group (verl's tensor parallelism): every
+    rank's log-probabilities, entropies and gradients (its block of dC) equal the one-process
+    call's, under random upstream gradients on both outputs, at a temperature."""
+    import cce.verl
+
+    e, c, t, _, _ = _inputs(name, dict(ignore_frac=0.0))
+    g = torch.Generator().manual_seed(11)
+    up = torch.randn(2, t.numel(), generator=g)
+    sizes = split_sizes(world, "skewed")
+    block = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+
+    def run(c_in, pg):
+        e_in = leaf(e)
+        lp, ent = cce.verl.linear_cross_entropy(e_in, c_in, t, 0.7, "none", pg)
+        (lp * up[0] + ent * up[1]).sum().backward()
+        return lp.detach(), ent.detach(), e_in.grad, c_in.grad
+
+    ref = run(leaf(c), None)
+    got = run(leaf(c, block), group)
+    for k, a, b in zip(("logprobs", "entropy", "dE"), got[:3], ref[:3], strict=True):
+        assert rel_err(a, b) <= TOL_FP32, f"{name}: {k} rel err {rel_err(a, b):.3g}"
+    assert rel_err(got[3], ref[3][block]) <= TOL_FP32, f"{name}: dC rel err"
+
+
 def _api_case(name, rank, world, group):
+    if name == "api_verl":
+        return _verl_case(name, rank, world, group)
     e, c, t, b, _ = _inputs(name, dict(bias=True))
     opts = dict(label_smoothing=0.1, shift=True)
     ref = loss_and_grads(
