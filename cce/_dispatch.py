@@ -103,7 +103,6 @@ def linear_backward(
     fused_ok: bool = False,
     fused_whole: bool = False,
     classes: int | None = None,
-    temperature: float = 1.0,
 ) -> str:
     """The Triton backward of a linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
     cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
@@ -128,13 +127,13 @@ def linear_backward(
     above 1e-2 (mistral-7b's head, N = 32768; docs/benchmarks.md, "Which backward runs: the size
     and vocabulary rules").
 
-    A ``temperature`` other than 1 takes the exact (or fused) path: the filtered backwards'
-    kernels and tile statistics take none. (An entropy output's gradient, known only in the
+    A ``temperature`` changes nothing here: every backward takes the tempered logits (the tile
+    statistics and the filter are of those). (An entropy output's gradient, known only in the
     backward, is part of the sparse backward's dZ; after the fused forward, or where the
     recomputing backward was chosen, the op runs the exact backward for it:
     cce/ops/linear_ce/triton_impl.py.)"""
     exact = "fused" if fused_ok else "exact"
-    if filter_eps <= 0 or temperature != 1.0:
+    if filter_eps <= 0:
         return exact
     min_flops = tuning.sparse_min_flops
     if min_flops is None:

@@ -356,16 +356,16 @@ def near_uniform_inputs(N: int, D: int, V: int, std: float, seed: int = 3):
     return e, c, t
 
 
-def triton_training_forward(e, c, t, eps: float, tuning):
+def triton_training_forward(e, c, t, eps: float, tuning, temperature: float = 1.0):
     """The Triton training forward that the sparse backward reads (mean reduction, no bias,
-    softcap or smoothing; ignore_index -100), with ``tuning``'s choices."""
+    softcap or smoothing; ignore_index -100), with ``tuning``'s choices, at ``temperature``."""
     from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd
 
     return linear_ce_triton_fwd(
         e, c, None, None, None, t, -100, "mean", 0.0, 0.0, 0.0, eps, True, False, tuning.stats_chain_tiles,
         tuning.dz_slab_bytes, tuning.de_block_slots, tuning.dc_scratch_tiles, tuning.stash_move_bytes,
         tuning.dense_slabs, tuning.dense_kept, tuning.slab_error, tuning.slab_error_dc,
-        tuning.dense_slab_bytes, tuning.first_order, tuning.host_gating, 1.0, False, False,
+        tuning.dense_slab_bytes, tuning.first_order, tuning.host_gating, temperature, False, False,
     )  # fmt: skip
 
 

@@ -66,8 +66,7 @@ def block_stats(
 
         flops = 2.0 * targets.numel() * V * c.shape[1]
         algo = linear_backward(
-            tuning, filter_eps, need_de, need_dc, need_dbias, softcap, ls, flops, c.is_cuda, classes=V,
-            temperature=temperature,
+            tuning, filter_eps, need_de, need_dc, need_dbias, softcap, ls, flops, c.is_cuda, classes=V
         )  # fmt: skip
         stats = algo == "sparse"
         args = dict(

@@ -22,7 +22,9 @@ def flatten_rows(e: torch.Tensor, targets: torch.Tensor, shift: bool):
     if shift:
         T = targets.shape[-1]
         tgt = targets[..., 1:]
-        rows = torch.arange(e2d.shape[0], device=e.device).view(-1, T)[:, :-1].reshape(-1)
+        # (contiguous: with T = 2 the reshape is a view of stride 2, and the kernels read index
+        # vectors with unit stride)
+        rows = torch.arange(e2d.shape[0], device=e.device).view(-1, T)[:, :-1].reshape(-1).contiguous()
     else:
         tgt = targets
         rows = None

@@ -135,6 +135,7 @@ def slab_errors(
     vpos: torch.Tensor | None = None,
     q: torch.Tensor | None = None,
     M: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
 ) -> SlabErrors:
     """SlabErrors for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] is what the rank-1 corrections of the skipped tiles of slab s
@@ -170,6 +171,10 @@ def slab_errors(
     decision where the corrections' error sits near the bound. The slope, not 1: on zipf-like
     data the rest of a row's gradient is correlated with its target term, and lam = 1 erred
     more there than ||ref|| alone. Exact when every row is sampled.
+
+    ``logit_scale`` (lam, 1 / the temperature): the logits are lam (e c^T) + bias; the caller
+    passes the bias and softcap scaled by lam as well (softcap_T(lam x) = lam softcap(x) with
+    softcap_T = lam softcap), so that every estimate here is of the tempered logits.
     """
     N, nt = code.shape
     V, D = c.shape
@@ -188,6 +193,10 @@ def slab_errors(
         gx = mm_f32(x.to(c.dtype), c, None)  # [k, D]
         if vscore is None:
             x = None
+    if logit_scale != 1.0:  # the tempered logits and their deviations within the tiles
+        z.mul_(logit_scale)
+        x = None if x is None else x * logit_scale
+        gx = None if gx is None else gx * logit_scale
     # Rows [0, k) of w2: the non-target dZ where the tile is skipped minus the correction
     # alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes (the
     # corrections' error weights); rows [k, 2k): the full dZ (the reference). Sorted positions;
@@ -220,7 +229,19 @@ def slab_errors(
     )
     del w, x
     dc_ref = dc_norm_estimate(
-        e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap, eta_s=eta_s
+        e2d,
+        c,
+        bias,
+        erow_s,
+        t_s,
+        lse_s,
+        alpha_s,
+        beta_s,
+        n_valid,
+        vp,
+        softcap,
+        eta_s=eta_s,
+        logit_scale=logit_scale,
     )
     return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref, ref_sq)
 
@@ -327,6 +348,7 @@ def dc_norm_estimate(
     tail: int = NORM_TAIL,
     chunk_bytes: int = _NORM_CHUNK_BYTES,
     eta_s: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
     """fp32 []: ||dC||^2 (the label-smoothing term left out) from the exact dC rows of ``head``
     classes at the front of the sorted vocabulary and of ``tail`` classes of the rest, drawn by
@@ -340,6 +362,7 @@ def dc_norm_estimate(
     they are taken whole, and the tail's classes are alike enough for a sample once the targets'
     share is accounted for. Cost:
     (head + tail) / V of two logits passes (all N rows times the sampled classes).
+    ``logit_scale``: as slab_errors' (the bias and softcap given scaled by it).
     """
     V, D = c.shape
     N = t_s.numel()
@@ -373,6 +396,8 @@ def dc_norm_estimate(
         s1 = min(s0 + rows, N)
         E = e2d.index_select(0, erow_s[s0:s1])
         z = mm_f32(E, Cs.T, None)  # [rows, h + m]
+        if logit_scale != 1.0:
+            z.mul_(logit_scale)
         # (dZ rounded to the operand dtype, as the backward's GEMMs do: an estimate's accuracy)
         dz = class_sample_dz(
             z, cls, t_l[s0:s1], lse_s[s0:s1], a[s0:s1], b[s0:s1], bs, softcap, E.dtype,

@@ -35,9 +35,11 @@ def coefficient_backward(
     """(dE, dC, dbias) (None where not needed) for per-row coefficients:
     dZ = (alpha p - beta [v == t] - gamma w) softcap' (gamma None: no smoothing term).
 
-    ``eta`` (the entropy's term eta p z, with the rows' ``entropy``) and a ``temperature`` (the
-    logits softcap(x) / T, the coefficients scaled by 1 / T already) take the exact backward
-    only: the filter's bound and the recomputing kernels assume neither.
+    ``eta`` (the entropy's term eta p z, with the rows' ``entropy``) takes the exact backward only
+    (the recomputing kernel's filter assumes dZ ~ alpha p). A ``temperature`` (the logits
+    softcap(x) / T, the coefficients scaled by 1 / T already) goes to either: the recomputing
+    kernel filters the tempered probabilities, and its skipped tiles' row and column sums are
+    of the tempered dZ.
 
     filter_eps 0: the exact backward (dZ slabs and cuBLAS); dC in c's dtype, dE and dbias fp32.
     Otherwise the recomputing backward with the vocabulary sorted by mean logit and the skipped
@@ -53,7 +55,7 @@ def coefficient_backward(
     if smoothing:
         gamma = gamma.float()
     eps = 0.0 if (smoothing and softcap > 0) else float(filter_eps)
-    if eta is not None or temperature != 1.0:
+    if eta is not None:
         eps = 0.0
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     args = (e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta))
@@ -71,7 +73,9 @@ def coefficient_backward(
             dE = make(e2d.shape, dtype=torch.float32, device=dev).index_copy_(0, r.erow_s, ex.dE)
         return dE, ex.dC, ex.dbias
     perm = vocab_order(e2d, c, bias, r)
-    out = linear_ce_backward_recompute(*args, None, perm, softcap, eps, need_de, need_dc, need_dbias)
+    out = linear_ce_backward_recompute(
+        *args, None, perm, softcap, eps, need_de, need_dc, need_dbias, temperature=temperature
+    )
     dE, dC, db = out.dE, out.dC, out.dbias
     # Skipped tiles: rank-1 corrections rowsum(dZ_tile) x mean(C_tile), colsum(dZ_tile) x mean(E_block).
     if out.R is not None:
@@ -152,7 +156,7 @@ def sparse_backward(
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
     slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
     first_order: bool = _T.first_order, host_gating: bool = _T.host_gating, u=None, delta=None,
-    entropy=None, order=None, n_valid=None,
+    entropy=None, order=None, n_valid=None, temperature: float = 1.0,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan);
     ``u``: an upstream gradient on the target logit (a log-probability output), else None;
@@ -195,6 +199,14 @@ def sparse_backward(
     softcap' factor: kernels.common.skipped_slog), and the dense-slab rule measures the
     corrections with that term; the first-order terms weigh a row's skipped tiles by a_ij + eta_i
     (kernels/first_order.py).
+
+    With a ``temperature`` T the logits are softcap(x) / T = softcap_T(lam x) (lam = 1 / T,
+    softcap_T = lam softcap) and the forward's statistics (codes, keep, zt, lse) are of those:
+    the coefficients carry the chain rule's lam (loss_coefficients), the recomputing kernels
+    scale their logits by lam, and the host-side estimates (the dense-slab rule's sampled rows,
+    the codes' softcap', the mean-row spread of the dC corrections, the first-order terms, whose
+    expansion is in the logit's deviation lam x) see lam x, lam bias and softcap_T. So the plan
+    and the filter's bound are those of the tempered problem.
     """
     V, D = c.shape
     dev = e2d.device
@@ -202,8 +214,13 @@ def sparse_backward(
     if delta is not None and entropy is None:
         raise ValueError("an upstream gradient of the entropy (delta) needs the entropy's values")
     alpha, beta, gamma, eta, smooth = loss_coefficients(
-        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u, delta, entropy
+        weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u, delta, entropy, temperature
     )
+    # The host-side estimates' view of the tempered logits (above): lam x + lam bias, softcap_T.
+    lam = 1.0 / temperature
+    cap_t = softcap * lam
+    bias_t = bias if bias is None or lam == 1.0 else bias.float() * lam
+    vscore_t = vscore if lam == 1.0 else vscore * lam
     tp = None
     if order is not None and order.numel() > 0:
         # (the forward's: the sorted rows' targets, their sorted positions, each class's)
@@ -239,7 +256,7 @@ def sparse_backward(
     a_t = alpha_s if eta_s is None else alpha_s + eta_s * zt_s
     coef = a_t * torch.exp(zt_s - lse_s) - beta_s
     if softcap > 0:
-        coef = coef * (1.0 - (zt_s / softcap) ** 2)
+        coef = coef * (1.0 - (zt_s / cap_t) ** 2)
     coef = torch.where(valid_s, coef, 0.0)
     keep = keep.bool()
     tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
@@ -248,7 +265,7 @@ def sparse_backward(
     # Read by several of the step's parts, made once (host time of a step at small N or on one
     # rank's block, docs/benchmarks.md): each class's sorted position (vpos, above), the
     # mean-row spread of the dC corrections, and the tiles' skipped masses summed over the rows.
-    q = mean_row_spread(vscore, nt, BV) if need_dc else None
+    q = mean_row_spread(vscore_t, nt, BV) if need_dc else None
     masses = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1 or dc_rule):
         errors = cost = None
@@ -263,9 +280,9 @@ def sparse_backward(
                     masses = tile_masses(code)
             # (dC's estimates only where dC is wanted.)
             errors = slab_errors(
-                e2d, c, bias, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, softcap,
-                BN, BV, tps * BV, cm=cm, vscore=vscore if dc_rule else None, coef_t=coef, eta_s=eta_s,
-                vpos=vpos, q=q, M=masses,
+                e2d, c, bias_t, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, cap_t,
+                BN, BV, tps * BV, cm=cm, vscore=vscore_t if dc_rule else None, coef_t=coef, eta_s=eta_s,
+                vpos=vpos, q=q, M=masses, logit_scale=lam,
             )  # fmt: skip
         dense, flag = dense_slab_flags(
             code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc
@@ -285,7 +302,7 @@ def sparse_backward(
     list_e = cnt_e = wc = None
     # The entropy's term of the skipped tiles' corrections, S_ij (zbar_ij - lse_i + log BV), once
     # per step (read by _dc_inputs and the dE writer).
-    slog = None if eta_s is None else skipped_slogs(code, lse_s, softcap, BV)
+    slog = None if eta_s is None else skipped_slogs(code, lse_s, cap_t, BV)
     dc_in = (None,) * 9
     if need_de:
         list_e, cnt_e = compact_lists(keep)
@@ -318,10 +335,10 @@ def sparse_backward(
         dc_args = (e2d, r.erow_s, srow, masses, live, vpos) if need_dc else None
         if seen is None:
             fo_pending = KS.PendingFirstOrder(
-                flag, functools.partial(_first_order, c, cm, vperm, flag, BV, dc_args)
+                flag, functools.partial(_first_order, c, cm, vperm, flag, BV, dc_args, lam)
             )
         elif int(seen[1][0]) != 0:
-            fo = _first_order(c, cm, vperm, flag, BV, dc_args)
+            fo = _first_order(c, cm, vperm, flag, BV, dc_args, lam)
         del srow, dc_args
     list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
     del dc_in
@@ -337,36 +354,39 @@ def sparse_backward(
         e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
         need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
         move_bytes=move_bytes, dense=dense, tiles_per_slab=tps, eta=eta_s, dz_bound=dz_bound, cm=cm,
-        decided=decided,
+        decided=decided, temperature=temperature,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan
     return dE, dC
 
 
-def first_order_terms(c, cm, vperm, flag, BV: int) -> FirstOrder:
+def first_order_terms(c, cm, vperm, flag, BV: int, lam: float = 1.0) -> FirstOrder:
     """The first-order terms' dE operands (kernels/first_order.py): Gbar = (C^T C - sum_j |j|
     mean(C_j) mean(C_j)^T) / V from the gated Gram kernel (zeros where ``flag`` is 0), in the
-    operand dtype with its scale; the dC ones are filled in by _first_order_dc."""
+    operand dtype with its scale; the dC ones are filled in by _first_order_dc. ``lam`` (1 / the
+    temperature) scales the terms: their expansion is in the tempered logit's deviation lam x."""
     V = c.shape[0]
     cnt = tile_sizes(V, BV, c.device)
     # The tile means' part in fp32 (it can nearly cancel C^T C's where the means dominate),
     # accumulated into the same buffer (one D x D buffer and no elementwise passes over it).
     g = gram(cm, flag, w=cnt, scale=-1.0 / V, out=gram(c, flag, scale=1.0 / V))
     gn, gs = normalized(g, c.dtype)
+    if lam != 1.0:
+        gs = gs * lam
     return FirstOrder(flag, gn, gs, cm)
 
 
-def _first_order(c, cm, vperm, flag, BV: int, dc_args: tuple | None) -> FirstOrder:
+def _first_order(c, cm, vperm, flag, BV: int, dc_args: tuple | None, lam: float = 1.0) -> FirstOrder:
     """first_order_terms, with their dC operands (_first_order_dc of ``dc_args``: e2d, erow_s,
-    srow, masses, live, vpos) where dC is wanted."""
-    fo = first_order_terms(c, cm, vperm, flag, BV)
+    srow, masses, live, vpos) where dC is wanted; ``lam`` as first_order_terms'."""
+    fo = first_order_terms(c, cm, vperm, flag, BV, lam)
     if dc_args is not None:
-        _first_order_dc(fo, *dc_args, BV)
+        _first_order_dc(fo, *dc_args, BV, lam)
     return fo
 
 
-def _first_order_dc(fo: FirstOrder, e2d, erow_s, srow, masses, live, vpos, BV: int) -> None:
+def _first_order_dc(fo: FirstOrder, e2d, erow_s, srow, masses, live, vpos, BV: int, lam: float = 1.0) -> None:
     """The first-order terms' dC operands into ``fo``: H = sum_i F_i e_i e_i^T (``srow``: F_i per
     sorted row, from _dc_inputs; the gated Gram kernel), rate = r_j / |j| (from ``masses``,
     slab_choice.tile_masses, restricted to the ``live`` tiles: those outside dense slabs, None:
@@ -374,6 +394,8 @@ def _first_order_dc(fo: FirstOrder, e2d, erow_s, srow, masses, live, vpos, BV: i
     V = vpos.numel()
     cnt = tile_sizes(V, BV, e2d.device)
     fo.H = gram(e2d, fo.flag, erow_s, srow)
+    if lam != 1.0:
+        fo.H.mul_(lam)
     mass = masses if live is None else masses * live
     fo.rate = mass / mass.sum().clamp(min=1e-30) / cnt
     fo.tile_of = (vpos // BV).to(torch.int32)

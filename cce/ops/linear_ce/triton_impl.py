@@ -59,7 +59,7 @@ class FwdArgs(NamedTuple):
     dense_slab_bytes: int
     first_order: bool
     host_gating: bool
-    temperature: float  # the logits are softcap(x) / temperature (not with stats)
+    temperature: float  # the logits are softcap(x) / temperature
     entropy: bool  # the entropy output
     argmax: bool  # the argmax output
 
@@ -263,6 +263,7 @@ class SparseBwdArgs(NamedTuple):
     entropy: torch.Tensor | None  # [N] fp32 the entropy's forward values (with delta)
     order: torch.Tensor | None  # the forward's orders and valid rows' count (None: made again)
     n_valid: torch.Tensor | None
+    temperature: float  # the forward's: its statistics are of softcap(x) / temperature
 
 
 @define_op(
@@ -284,7 +285,7 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
         dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, host_gating=a.host_gating, u=a.u,
-        delta=a.delta, entropy=a.entropy, order=a.order, n_valid=a.n_valid,
+        delta=a.delta, entropy=a.entropy, order=a.order, n_valid=a.n_valid, temperature=a.temperature,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -336,15 +337,15 @@ def _backward(
         g = torch.zeros(N, dtype=torch.float32, device=targets.device)
     else:
         g = _math.row_upstream(g_loss, w_t, a.reduction, N).contiguous()
-    # (The statistics' forward has temperature 1; a gradient reaching the entropy is part of the
-    # sparse backward's dZ, triton_backward.sparse_backward.)
+    # (A gradient reaching the entropy is part of the sparse backward's dZ,
+    # triton_backward.sparse_backward.)
     if a.stats and not need_db:
         dE, dC = linear_ce_triton_bwd_sparse(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
             a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, a.host_gating, g_tgt, g_ent,
-            ent if g_ent is not None else None, order, n_valid,
+            ent if g_ent is not None else None, order, n_valid, a.temperature,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
             # dE was written into the forward's stash (a second backward through this graph
@@ -538,15 +539,15 @@ def linear_ce_triton(
     differentiable, for log-probabilities); entropy (differentiable) and argmax where asked for,
     else None. need_de / need_dc / need_dbias (what autograd will ask for) choose the backward
     (cce._dispatch.linear_backward): for the sparse one the forward also gathers the tile
-    statistics. A temperature takes the exact (or fused) path; a gradient reaching the entropy
-    is part of the sparse backward (after the fused forward it runs the exact one)."""
+    statistics (of the tempered logits, at any temperature); a gradient reaching the entropy is
+    part of the sparse backward (after the fused forward it runs the exact one)."""
     N, (V, D) = targets.numel(), c.shape
     flops = 2.0 * N * V * D
     need = need_de or need_dc or need_dbias
     fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need, softcap, label_smoothing)
     algo = linear_backward(
         tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda,
-        fused, fused_one_chunk(tuning, N, V, e2d.dtype.itemsize), classes=V, temperature=temperature,
+        fused, fused_one_chunk(tuning, N, V, e2d.dtype.itemsize), classes=V,
     )  # fmt: skip
     if algo == "fused":
         out = linear_ce_triton_fused(

@@ -128,19 +128,22 @@ def test_slab_errors_first_order_against_float64():
     assert float(want.norm()) > 0
 
 
-def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None):
+def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None, temperature=1.0):
     """(dE, dC) of the sparse backward's model in float64 from the forward's codes: the rank-1
     corrections (dC spread by q, or evenly with fo_on) plus, with fo_on, the first-order terms.
     With ``delta`` (an upstream gradient of the entropy, whose values are ``ent``) the entropy's
     term: dZ = p (alpha + eta z), a skipped tile's weight (alpha + eta (lse + log(S' / BV))) S'
-    and its first-order weight that plus eta S' (kernels/first_order.py)."""
+    and its first-order weight that plus eta S' (kernels/first_order.py). At a ``temperature``
+    the logits are lam z (lam = 1 / T): the coefficients carry lam, and so do the mean-row spread
+    and the first-order terms (an expansion in lam x)."""
+    lam = 1.0 / temperature
     N, D = e.shape
     V = c.shape[0]
     BN, BV = stats_blocks(torch.float32)
     r = RowOrder(t, None, -100)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     alpha, beta, _, eta, _ = loss_coefficients(
-        None, t, out[1], g, None, -100, 0.0, 0.0, V, delta=delta, entropy=ent
+        None, t, out[1], g, None, -100, 0.0, 0.0, V, delta=delta, entropy=ent, temperature=temperature
     )
     a = srt(alpha.double()) * (torch.arange(N) < r.n_valid).double()
     b = srt(beta.double())
@@ -150,7 +153,7 @@ def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None):
     ts = srt(r.safe_t)
     perm = out[5].long()
     C = c.double()
-    z = E @ C.T
+    z = (E @ C.T) * lam
     p = torch.exp(z - srt(out[1]).double()[:, None])
     nt = out[2].shape[1]
     keep = out[3].bool()
@@ -175,7 +178,7 @@ def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None):
         spread = 1.0 / cnt[tile_of]
     else:
         q = torch.empty(V, dtype=torch.float64)
-        score = out[6].double()
+        score = out[6].double() * lam
         for j in range(nt):
             q[perm[j * BV : (j + 1) * BV]] = torch.softmax(score[j * BV : (j + 1) * BV], 0)
         spread = q
@@ -188,28 +191,36 @@ def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None):
     if fo_on:
         delta = C - cm[tile_of]
         Gbar = delta.T @ delta / V
-        dE += SF.sum(1)[:, None] * (E @ Gbar)
+        dE += lam * SF.sum(1)[:, None] * (E @ Gbar)
         valid = (torch.arange(N) < r.n_valid).double()
         mass = (decode_tile_mass(out[2]).double() * valid[:, None]).sum(0)  # unsigned S_ij
         H = (E * SF.sum(1)[:, None]).T @ E
         rate = mass / mass.sum() / cnt
-        dC += rate[tile_of][:, None] * (delta @ H)
+        dC += lam * rate[tile_of][:, None] * (delta @ H)
     dE_e = torch.zeros(N, D, dtype=torch.float64).index_copy_(0, r.erow_s, dE)
     return dE_e, dC
 
 
-@pytest.mark.parametrize("std,entropy", [(0.2, False), (0.05, False), (0.2, True)])
-def test_sparse_backward_with_first_order_is_the_model(std, entropy, monkeypatch):
+@pytest.mark.parametrize(
+    "std,entropy,temp",
+    [
+        (0.2, False, 1.0), pytest.param(0.05, False, 1.0, marks=pytest.mark.slow), (0.2, True, 1.0),
+        (0.2, False, 0.7),
+    ],
+)  # fmt: skip
+def test_sparse_backward_with_first_order_is_the_model(std, entropy, temp, monkeypatch):
     """On near-uniform rows the rule turns the terms on (flag 1, no slab dense: their estimated
     error is within the target, the rank-1 corrections' is not), and the sparse backward then
     computes exactly the model: rank-1 corrections with an even dC spread plus alpha_i S_i Gbar e_i
     and rate_j delta_v H, from the forward's own decoded masses (float64 model; fp32 GEMMs over
     D = 32 and 1500 classes: 2e-5). With ``entropy`` an upstream gradient on the entropy output
-    as well (loss - 0.3 H per row, random weights): the model's coefficients with eta."""
+    as well (loss - 0.3 H per row, random weights): the model's coefficients with eta. At a
+    temperature, the model of the tempered logits (every term times 1 / T where it is linear in
+    the logit)."""
     N, D, V = 64, 32, 1500
     e, c, t = near_uniform_inputs(N, D, V, std=std)
     tu = Tuning(backward="sparse", dense_slabs=True)
-    out = triton_training_forward(e, c, t, EPS, tu)
+    out = triton_training_forward(e, c, t, EPS, tu, temp)
     assert int(out[3].sum()) == 0  # every tile skipped
     g = torch.rand(N, generator=torch.Generator().manual_seed(4))
     seen = {}
@@ -220,20 +231,20 @@ def test_sparse_backward_with_first_order_is_the_model(std, entropy, monkeypatch
         return seen["flags"]
 
     args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:8])
-    kw = {}
+    kw = {"temperature": temp}
     if entropy:
         z = e.double() @ c.double().T
         ent = (torch.logsumexp(z, 1) - (torch.softmax(z, 1) * z).sum(1)).float()
-        kw = dict(delta=-0.3 * torch.rand(N, generator=torch.Generator().manual_seed(5)), entropy=ent)
+        kw.update(delta=-0.3 * torch.rand(N, generator=torch.Generator().manual_seed(5)), entropy=ent)
     monkeypatch.setattr(TB, "dense_slab_flags", spy)
     dE, dC = sparse_backward(*args, dense_slabs=True, **kw)
     dense, flag = seen["flags"]
     assert flag.tolist() == [1] and int(dense.sum()) == 0
-    mE, mC = _model_grads(e, c, t, g, out, True, kw.get("delta"), kw.get("entropy"))
+    mE, mC = _model_grads(e, c, t, g, out, True, kw.get("delta"), kw.get("entropy"), temp)
     assert rel_err(dE, mE) < 2e-5 and rel_err(dC, mC) < 2e-5
     # without the terms: the rank-1 model with the q spread (the terms are not a no-op here)
     dE0, dC0 = sparse_backward(*args, dense_slabs=False, **kw)
-    mE0, mC0 = _model_grads(e, c, t, g, out, False, kw.get("delta"), kw.get("entropy"))
+    mE0, mC0 = _model_grads(e, c, t, g, out, False, kw.get("delta"), kw.get("entropy"), temp)
     assert rel_err(dE0, mE0) < 2e-5 and rel_err(dC0, mC0) < 2e-5
     assert rel_err(mE, mE0) > 1e-3
 

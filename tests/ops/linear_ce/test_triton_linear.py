@@ -130,7 +130,7 @@ def test_filtered_backwards_with_tiny_threshold(backward, dtype):
     """Each filtered backward (Tuning.backward) with every option it serves and eps tiny, so
     that nothing is skipped and the oracle's tolerance applies (the skip branch is checked
     against its bound below)."""
-    opts = {"label_smoothing": 0.1, "weight": True, "z_loss": 1e-3}
+    opts = {"label_smoothing": 0.1, "weight": True, "z_loss": 1e-3, "temperature": 0.7}
     if backward == "recompute":
         opts["bias"] = True  # the bias gradient is the recomputing backward's own case
     e, c, t, b, opts = _inputs((40,), 50, 150, dtype, opts, seed=13)
@@ -139,6 +139,19 @@ def test_filtered_backwards_with_tiny_threshold(backward, dtype):
         lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=6, filter_eps=1e-12, **opts
     )
     _check(got, ref, dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_shift_over_two_position_sequences(fused):
+    """shift=True over sequences of two positions: the problem rows (each sequence's first) are a
+    stride-2 index view of the flattened rows, which every launcher must read as such (the fused
+    path once read rows 0, 1 instead of 0, 2)."""
+    e, c, t, b, opts = _inputs((3, 2), 8, 40, torch.float32, {"shift": True}, seed=21, ignore_frac=0.0)
+    fn = tuned(fused=fused)
+    got, ref = compare_with_reference(
+        lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=7, filter_eps=None, **opts
+    )
+    _check(got, ref, torch.float32)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -45,13 +45,13 @@ from cce.options import Tuning  # noqa: E402
 _T = Tuning()
 
 
-def _fwd(e, c, bias, rows, t, red, softcap, ls, zl, eps, stash=False):
+def _fwd(e, c, bias, rows, t, red, softcap, ls, zl, eps, stash=False, temperature=1.0):
     """linear_ce_triton_fwd of a training step of the sparse backward (default tuning)."""
     return linear_ce_triton_fwd(
         e, c, bias, None, rows, t, -100, red, softcap, ls, zl, eps, True, stash, _T.stats_chain_tiles,
         _T.dz_slab_bytes, _T.de_block_slots, _T.dc_scratch_tiles, _T.stash_move_bytes, _T.dense_slabs,
         _T.dense_kept, _T.slab_error, _T.slab_error_dc, _T.dense_slab_bytes, _T.first_order,
-        _T.host_gating, 1.0, False, False,
+        _T.host_gating, temperature, False, False,
     )  # fmt: skip
 
 
@@ -68,8 +68,9 @@ def _raw_stats(e, c, t, eps, bias=None, softcap=0.0):
     return out, vperm, r
 
 
-def _truth(e, c, t, bias, softcap):
-    """float64 logits (softcapped), lse and softcap' of the whole problem."""
+def _truth(e, c, t, bias, softcap, temperature=1.0):
+    """float64 logits (softcapped, then divided by the temperature), lse and softcap' of the whole
+    problem."""
     z = e.double() @ c.double().T
     if bias is not None:
         z = z + bias.double()
@@ -77,6 +78,7 @@ def _truth(e, c, t, bias, softcap):
     if softcap > 0:
         th = torch.tanh(z / softcap)
         z, scp = softcap * th, 1 - th**2
+    z = z / temperature
     return z, torch.logsumexp(z, 1), scp
 
 
@@ -171,7 +173,7 @@ def test_encoded_tile_statistics(chain):
     assert ((S.cumsum(1) - off.cumsum(1)).abs() > h / (1 - h) * S.cummax(1).values + f16.cumsum(1)).any()
 
 
-def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r, eta=None):
+def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r, eta=None, temperature=1.0):
     """Per sorted row / per vocabulary id, the stated error bounds of dE and dC (float64).
 
     With ``eta`` (the entropy's coefficient per row) dZ = p (alpha + eta z) softcap' and a
@@ -181,7 +183,7 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r, eta=None):
     BN, BV = stats_blocks(e.dtype)
     n = int(r.n_valid)
     rows = r.perm[:n]
-    z, lse, scp = _truth(e, c, t, bias, softcap)
+    z, lse, scp = _truth(e, c, t, bias, softcap, temperature)
     a = alpha.double()[rows]
     h = torch.zeros_like(a) if eta is None else eta.double()[rows]
     ts = t[rows]
@@ -203,7 +205,9 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r, eta=None):
                 continue
             D = dz[blk][:, ids]
             Sd = dec[blk, j]
-            coef = (a[blk] + h[blk] * skipped_mean_logit64(Sd, lse[rows][blk], softcap, BV)) * Sd
+            # (the tempered logits' softcap is softcap / T: the codes' softcap' is of those)
+            zbar = skipped_mean_logit64(Sd, lse[rows][blk], softcap / temperature, BV)
+            coef = (a[blk] + h[blk] * zbar) * Sd
             be[blk] += D @ spread + (dzs[blk][:, ids].sum(1) - coef).abs() * cm.norm()
             bc[ids] += D.T @ es[blk].norm(dim=1)
         bc[ids] += plan.q[j * BV : (j + 1) * BV].double() * plan.g[j].double().norm()
@@ -212,12 +216,16 @@ def _bound(e, c, t, bias, softcap, alpha, plan, vperm, r, eta=None):
 
 @pytest.mark.parametrize(
     "opts",
-    [{}, {"softcap": 3.0}, {"z_loss": 1e-2}, {"label_smoothing": 0.1}, {"reduction": "sum"}, {"bias": True}],
+    [
+        {}, {"softcap": 3.0}, {"z_loss": 1e-2}, {"label_smoothing": 0.1}, {"reduction": "sum"},
+        {"bias": True}, {"temperature": 0.6}, {"temperature": 1.4, "softcap": 3.0, "bias": True},
+    ],
     ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain",
-)
+)  # fmt: skip
 def test_sparse_filter_sound_and_within_stated_bound(opts):
     """With a coarse threshold most tiles are skipped: every skipped entry is below eps, and the
-    corrected gradients obey the stated bound against the exact ones."""
+    corrected gradients obey the stated bound against the exact ones; at a temperature, of the
+    tempered logits (softcap(x) / T: the same bound with dZ its gradient)."""
     from cce.reference import linear_cross_entropy_reference
 
     opts = dict(opts)
@@ -232,20 +240,21 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
     ls = opts.get("label_smoothing", 0.0)
     zl = opts.get("z_loss", 0.0)
     red = opts.get("reduction", "mean")
+    temp = opts.get("temperature", 1.0)
     eps = 2e-3
-    out = _fwd(e, c, bias, None, t, red, softcap, ls, zl, eps)
+    out = _fwd(e, c, bias, None, t, red, softcap, ls, zl, eps, temperature=temp)
     lse, code, keep, zt, vperm, vscore = out[1:7]
     valid = t != -100
     w_t = _math.target_weight(None, t, valid)
     g = _math.row_upstream(torch.ones(()), w_t, red, len(t))
     dE, dC, plan = sparse_backward(
         e, c, bias, None, None, t, lse, g, None, -100, softcap, ls, zl, eps, True, True,
-        code, keep, zt, vperm, vscore, return_plan=True,
+        code, keep, zt, vperm, vscore, return_plan=True, temperature=temp,
     )  # fmt: skip
     # The exact gradients: the float64 oracle on the same inputs (the fp32 paths' own rounding,
     # ~1e-7 relative, then gets the 1e-6 relative slack below).
     ed, cd = e.double().requires_grad_(), c.double().requires_grad_()
-    opts64 = dict(softcap=softcap or None, label_smoothing=ls, z_loss=zl, reduction=red)
+    opts64 = dict(softcap=softcap or None, label_smoothing=ls, z_loss=zl, reduction=red, temperature=temp)
     linear_cross_entropy_reference(
         ed, cd, t, None if bias is None else bias.double(), dtype=torch.float64, **opts64
     ).backward()
@@ -256,7 +265,7 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
     frac = float(1 - plan.keep[: -(-n // BN)].float().mean())
     assert frac > 0.3, frac  # the test must exercise the skipped-tile terms
     # Sound: no skipped non-target entry reaches eps.
-    z, lse_t, _ = _truth(e, c, t, bias, softcap)
+    z, lse_t, _ = _truth(e, c, t, bias, softcap, temp)
     rows = r.perm[:n]
     p = torch.exp(z[rows] - lse_t[rows][:, None])[:, vperm]
     p = torch.where(vperm[None, :] == t[rows][:, None], 0.0, p)
@@ -266,7 +275,7 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
     alpha, _, _ = _math.coefficients(
         g, None, lse, w_t, _math.weight_total(None, c.shape[0], e.device), valid, k
     )
-    be, bc = _bound(e, c, t, bias, softcap, alpha, plan, vperm, r)
+    be, bc = _bound(e, c, t, bias, softcap, alpha / temp, plan, vperm, r, temperature=temp)
     err_e = (dE.double() - dE0.double())[r.erow_s[:n]].norm(dim=1)
     err_c = (dC.double() - dC0.double()).norm(dim=1)
     assert (err_e <= be + 1e-6 * dE0.norm()).all()
@@ -277,11 +286,11 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
 
 
 @pytest.mark.parametrize(
-    "softcap,d",
-    [(0.0, 0.01), (3.0, 0.01), (0.0, 1.0), (3.0, 1.0)],
-    ids=["plain", "softcap", "entropy-large", "softcap-entropy-large"],
+    "softcap,d,temp",
+    [(0.0, 0.01, 1.0), (3.0, 0.01, 1.0), (0.0, 1.0, 1.0), (3.0, 1.0, 1.0), (3.0, 1.0, 0.7)],
+    ids=["plain", "softcap", "entropy-large", "softcap-entropy-large", "softcap-entropy-large-T0.7"],
 )
-def test_sparse_entropy_term_within_stated_bound(softcap, d):
+def test_sparse_entropy_term_within_stated_bound(softcap, d, temp):
     """A gradient on the entropy output (loss - d H per row, random row weights; d = 1: an
     entropy term as large as the loss's) in the sparse backward: kept tiles and the targets carry
     eta p z exactly, a skipped tile's correction the coefficient alpha + eta zbar (its mean logit
@@ -294,22 +303,30 @@ def test_sparse_entropy_term_within_stated_bound(softcap, d):
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
     t[::11] = -100
     eps = 2e-3
-    out = _fwd(e, c, None, None, t, "none", softcap, 0.0, 0.0, eps)
+    out = _fwd(e, c, None, None, t, "none", softcap, 0.0, 0.0, eps, temperature=temp)
     lse, code, keep, zt, vperm, vscore = out[1:7]
     valid = t != -100
     gen = torch.Generator().manual_seed(3)
     g = torch.rand(64, generator=gen) / 64  # random upstream of the per-row loss
     delta = -d * torch.rand(64, generator=gen) / 64  # ... and of the entropy
-    z, lse_t, _ = _truth(e, c, t, None, softcap)
+    z, lse_t, _ = _truth(e, c, t, None, softcap, temp)
     p = torch.softmax(z, 1)
     H = (lse_t - (p * z).sum(1)).float()
     dE, dC, plan = sparse_backward(
         e, c, None, None, None, t, lse, g, None, -100, softcap, 0.0, 0.0, eps, True, True,
-        code, keep, zt, vperm, vscore, return_plan=True, delta=delta, entropy=H,
+        code, keep, zt, vperm, vscore, return_plan=True, delta=delta, entropy=H, temperature=temp,
     )  # fmt: skip
     ed, cd = e.double().requires_grad_(), c.double().requires_grad_()
     o = linear_cross_entropy_reference(
-        ed, cd, t, None, dtype=torch.float64, softcap=softcap or None, reduction="none", return_entropy=True
+        ed,
+        cd,
+        t,
+        None,
+        dtype=torch.float64,
+        softcap=softcap or None,
+        reduction="none",
+        return_entropy=True,
+        temperature=temp,
     )
     (o.entropy * delta.double()).sum().backward(retain_graph=True)
     dEH0, dCH0 = ed.grad.clone(), cd.grad.clone()  # the entropy term's part of dE and dC
@@ -325,7 +342,7 @@ def test_sparse_entropy_term_within_stated_bound(softcap, d):
         g, None, lse, w_t, _math.weight_total(None, c.shape[0], e.device), valid, k
     )
     alpha, _, eta = _math.output_coefficients(alpha, beta, None, delta, lse, H, valid)
-    be, bc = _bound(e, c, t, None, softcap, alpha, plan, vperm, r, eta)
+    be, bc = _bound(e, c, t, None, softcap, alpha / temp, plan, vperm, r, eta / temp, temp)
     err_e = (dE.double() - dE0)[r.erow_s[:n]].norm(dim=1)
     err_c = (dC.double() - dC0).norm(dim=1)
     assert (err_e <= be + 1e-6 * dE0.norm()).all()
@@ -342,7 +359,7 @@ def test_sparse_entropy_term_within_stated_bound(softcap, d):
     # that error: at d = 1, where it is 25-72% of dE's norm; 0.2-2% at d = 0.01).
     dE1, dC1 = sparse_backward(
         e, c, None, None, None, t, lse, g, None, -100, softcap, 0.0, 0.0, eps, True, True,
-        code, keep, zt, vperm, vscore,
+        code, keep, zt, vperm, vscore, temperature=temp,
     )  # fmt: skip
     if d >= 1:
         assert dEH0.norm() > 0.1 * dE0.norm()

@@ -51,8 +51,9 @@ def _bwd_kernel(
     R,  # [N, n_vtiles] fp32: skipped tiles' row sums (FILTER and dE), else None
     CSK,  # [n_blocks, V] fp32: skipped tiles' column sums (FILTER and dC), else None
     TLo,  # [N] fp32: target entries' rounding remainders (16-bit operands), or None
-    V, D, stride_e, stride_c, stride_de, stride_dc, n_vtiles, softcap, eps,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, FOLD_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    V, D, stride_e, stride_c, stride_de, stride_dc, n_vtiles, softcap, inv_temp, eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, FOLD_SMOOTH: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     SORTED: tl.constexpr, FILTER: tl.constexpr, SCALE_DZ: tl.constexpr, TARGET_LO: tl.constexpr,
     NEED_DE: tl.constexpr, NEED_DC: tl.constexpr, NEED_DBIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
@@ -92,8 +93,8 @@ def _bwd_kernel(
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1)
     is_t = (vid[None, :] == tgt[:, None]) & row_mask[:, None] & col_mask[None, :]
     dz, p = dense_dz(
-        L, lse, alpha, beta, Gamma, W, None, offs_n, vid, is_t, row_mask, col_mask, softcap, 1.0,
-        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT, False, False,
+        L, lse, alpha, beta, Gamma, W, None, offs_n, vid, is_t, row_mask, col_mask, softcap, inv_temp,
+        HAS_SOFTCAP, FOLD_SMOOTH, HAS_WEIGHT, HAS_TEMP, False,
     )  # fmt: skip
     if NEED_DBIAS:
         tl.atomic_add(dBias + vid, tl.sum(dz, axis=0), mask=col_mask, sem="relaxed")
@@ -176,11 +177,14 @@ def linear_ce_backward_recompute(
     need_de: bool,
     need_dc: bool,
     need_dbias: bool,
+    temperature: float = 1.0,
 ) -> RecomputeOut:
     """Gradients of the sorted rows ``e2d[erow]`` (tgt, lse, alpha, beta, gamma per sorted row).
 
     ``gamma`` given means the smoothing term is folded into the tiles (softcap on); ``perm``
     (vocabulary ids in walking order) given means the tiles are walked in that order.
+    ``temperature``: the logits are softcap(x) / T, the coefficients carry its 1 / T; the filter
+    compares the tempered probabilities with ``eps``.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, lse, alpha, beta, gamma, perm)
     N = erow.numel()
@@ -206,7 +210,8 @@ def linear_ce_backward_recompute(
                 Lse=lse, Alpha=alpha, Beta=beta, Gamma=gamma, dE=dE, dC=dC, dBias=db, R=R, CSK=CSK,
                 TLo=lo, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), stride_de=D,
                 stride_dc=D, n_vtiles=n_vtiles, softcap=float(softcap), eps=float(eps),
-                HAS_SOFTCAP=softcap > 0, FILTER=filt, SCALE_DZ=e2d.dtype == torch.float16,
+                inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0, HAS_SOFTCAP=softcap > 0,
+                FILTER=filt, SCALE_DZ=e2d.dtype == torch.float16,
                 BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
                 PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )  # fmt: skip

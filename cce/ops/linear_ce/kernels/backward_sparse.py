@@ -62,8 +62,9 @@ def _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA: tl.conste
 
 @triton.jit
 def _dz_tile(
-    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """(dZ tile in the operand dtype, its scale): p (alpha [+ eta z]) softcap' at the non-target
@@ -81,6 +82,8 @@ def _dz_tile(
         L += b[None, :]
     if HAS_SOFTCAP:
         L, th = jm.softcap(L, softcap)
+    if HAS_TEMP:  # the logits softcap(x) / T (the coefficients carry the chain rule's 1 / T)
+        L = L * inv_temp
     nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
     if HAS_ETA:
         p = tl.exp(L - lse[:, None])
@@ -103,8 +106,9 @@ def _dz_tile(
 @triton.jit
 def _kept_dz(
     Scratch, ScaleBuf, gk, cap,
-    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The dZ tile of the gk-th kept tile: from the scratch written by _kept_dz_kernel when it has a
@@ -118,8 +122,9 @@ def _kept_dz(
             scale = 1.0
     else:
         dzc, scale = _dz_tile(
-            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
-            HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
+            softcap, inv_temp,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
         )  # fmt: skip
     return dzc, scale
 
@@ -127,8 +132,9 @@ def _kept_dz(
 @triton.jit
 def _kept_dz_to_slot(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf, blk, j, slot,
-    V, D, stride_e, stride_c, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    V, D, stride_e, stride_c, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """The dZ tile (token block blk, vocabulary tile j) into scratch slot ``slot``."""
@@ -139,7 +145,8 @@ def _kept_dz_to_slot(
     offs_p, col_mask, vid = tile_cols(Perm, j, V, BLOCK_V)
     dzc, scale = _dz_tile(
         E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
-        HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        inv_temp,
+        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
     offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
     tl.store(Scratch + slot.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs, dzc)
@@ -153,8 +160,9 @@ def _kept_dz_to_slot(
 @triton.jit
 def _kept_dz_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, KList, NKept, Scratch, ScaleBuf,
-    V, D, stride_e, stride_c, n_vtiles, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    V, D, stride_e, stride_c, n_vtiles, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program k: the dZ tile of the k-th kept tile (in (block, tile) order), once, into scratch
@@ -165,8 +173,8 @@ def _kept_dz_kernel(
     flat = tl.load(KList + k)
     _kept_dz_to_slot(
         E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf,
-        flat // n_vtiles, flat % n_vtiles, k, V, D, stride_e, stride_c, softcap,
-        HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        flat // n_vtiles, flat % n_vtiles, k, V, D, stride_e, stride_c, softcap, inv_temp,
+        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
 
 
@@ -175,8 +183,9 @@ def _kept_dz_kernel(
 @triton.jit
 def _kept_dz_block_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListE, CntE, Scratch, ScaleBuf,
-    V, D, stride_e, stride_c, n_vtiles, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    V, D, stride_e, stride_c, n_vtiles, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (b, s): the s-th kept tile of token block b into slot b * n_slots + s (the dE
@@ -188,8 +197,8 @@ def _kept_dz_block_kernel(
     j = tl.load(ListE + blk * (n_vtiles + 1) + s)
     _kept_dz_to_slot(
         E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf,
-        blk, j, blk * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap,
-        HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+        blk, j, blk * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap, inv_temp,
+        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
     )  # fmt: skip
 
 
@@ -207,9 +216,11 @@ def _kept_dz_block_kernel(
 def _sparse_de_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Slog, Gamma, Coef, Code, ListE, CntE, Cm, WC,
     Scratch, ScaleBuf, Dense, DEAcc, Gram, GScale, GFlag, dE,
-    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, n_vtiles, softcap, blk0,
+    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, n_vtiles, softcap, inv_temp,
+    blk0,
     code_row0, slot_blk0, cap, tiles_per_slab,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_DENSE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+    HAS_DENSE: tl.constexpr,
     HAS_GRAM: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
     N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
@@ -251,8 +262,9 @@ def _sparse_de_kernel(
         gk = tl.where(k < N_SLOTS, (pid_n - slot_blk0) * N_SLOTS + k, cap)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
-            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
-            HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
+            softcap, inv_temp,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
         )  # fmt: skip
         c = tl.load(
             C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
@@ -357,8 +369,9 @@ def _sparse_de_kernel(
 def _sparse_dc_kernel(
     E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
     Gidx, Scratch, ScaleBuf, Dense, GFlag, dC,
-    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, cap, tiles_per_slab,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, inv_temp, cap, tiles_per_slab,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
     HAS_DENSE: tl.constexpr, HAS_ETA: tl.constexpr, HAS_FO: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT_DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -393,8 +406,9 @@ def _sparse_dc_kernel(
         gk = tl.load(Gidx + blk * n_vtiles + pid_v)
         dzc, scale = _kept_dz(
             Scratch, ScaleBuf, gk, cap,
-            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
-            HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
+            softcap, inv_temp,
+            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
         )  # fmt: skip
         e = tl.load(
             E + erow[:, None] * stride_e + offs_do[None, :],
@@ -518,6 +532,7 @@ def linear_ce_backward_sparse(
     eta: torch.Tensor | None = None,
     dz_bound: torch.Tensor | None = None,
     cm: torch.Tensor | None = None,
+    temperature: float = 1.0,
     decided: HostPeek | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
@@ -550,6 +565,10 @@ def linear_ce_backward_sparse(
     those have reached the host, only the dense slabs' launches are issued (none, and no
     accumulator, where no slab is dense), and the first-order terms' only where their flag is
     set. ``cm``: the tile means in fp32 where the caller has them (else made here).
+
+    ``temperature``: the logits are softcap(x) / T in the recomputed tiles; the coefficients
+    (alpha, eta, plan.coef) carry the chain rule's 1 / T already, and the plan's statistics are
+    those of the tempered logits (the forward's).
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma, eta)
     N = erow.numel()
@@ -567,8 +586,8 @@ def linear_ce_backward_sparse(
     common = dict(
         E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
         Eta=eta, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), n_vtiles=n_vtiles,
-        softcap=float(softcap), HAS_SOFTCAP=softcap > 0, SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV,
-        PRECISION=prec,
+        softcap=float(softcap), HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature,
+        HAS_TEMP=temperature != 1.0, SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, PRECISION=prec,
     )  # fmt: skip
     dE = dC = None
     S = de_block_slots if need_de and N > 0 else 0
@@ -653,7 +672,7 @@ def linear_ce_backward_sparse(
         run_dense_slabs(
             e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
             (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
-            plan.ge if smooth else None, eta=eta, dz_bound=dz_bound, slabs=slabs,
+            plan.ge if smooth else None, eta=eta, dz_bound=dz_bound, slabs=slabs, temperature=temperature,
         )  # fmt: skip
     if need_dc and fo is not None:
         add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)

@@ -87,7 +87,8 @@ def device_context(device: torch.device):
 
 def check_inputs(e2d: torch.Tensor, c: torch.Tensor, *others: torch.Tensor | None) -> None:
     """The launchers' preconditions: one device (CUDA, or the CPU under the interpreter), unit
-    stride along D."""
+    stride along D, and vectors (index lists, per-row values) of unit stride: the kernels read
+    them by offsets alone."""
     if e2d.device.type != "cuda" and not interpreting():
         raise ValueError(
             f"the Triton kernels need CUDA tensors, got {e2d.device} (set TRITON_INTERPRET=1 before "
@@ -96,6 +97,8 @@ def check_inputs(e2d: torch.Tensor, c: torch.Tensor, *others: torch.Tensor | Non
     for t in (c, *others):
         if t is not None and t.device != e2d.device:
             raise ValueError(f"all tensors must be on one device, got {e2d.device} and {t.device}")
+        if t is not None and t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(f"a vector argument of the kernels has stride {t.stride(0)}, not 1")
     if e2d.stride(-1) != 1 or c.stride(-1) != 1:
         raise ValueError("e2d and c must have unit stride along D")
 

@@ -61,7 +61,9 @@ def dense_config(tma: bool = False) -> tuple[int, int, int, int, int]:
 @triton.jit
 def _store_slab_dz(
     L, Bias, Tgt, Lse, Alpha, Eta, Inv, DZ, offs_n, row_mask, vid, col_mask, col0, N, stride_dz, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The dZ tile of logits L [BLOCK_N, BLOCK_V] (classes vid) into slab columns col0 + lane:
@@ -74,6 +76,8 @@ def _store_slab_dz(
         L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
         L, th = jm.softcap(L, softcap)
+    if HAS_TEMP:  # the logits softcap(x) / T (the coefficients carry the chain rule's 1 / T)
+        L = L * inv_temp
     nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
     if HAS_ETA:
         eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
@@ -107,8 +111,9 @@ def _slab_dz_kernel(
     Dense,  # [n_slabs] int8: 1 where the slab is dense
     DZ,  # [N, slab] operand dtype
     Inv,  # [1] fp32 1 / max |alpha| (with eta: 1 / max of the rows' |dZ| bound) (fp16), or None
-    N, V, D, stride_e, stride_c, stride_dz, slab, tile0, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    N, V, D, stride_e, stride_c, stride_dz, slab, tile0, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Program (b, s): tile tile0 + s of the sorted vocabulary for token block b, into columns
@@ -130,7 +135,7 @@ def _slab_dz_kernel(
     )  # [BLOCK_N, BLOCK_V]
     _store_slab_dz(
         L, Bias, Tgt, Lse, Alpha, Eta, Inv, DZ, offs_n, row_mask, vid, col_mask, s * BLOCK_V, N, stride_dz,
-        softcap, HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_V,
+        softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_V,
     )  # fmt: skip
 
 
@@ -146,8 +151,9 @@ def _slab_dz_kernel(
 def _slab_dz_tma_kernel(
     Ed, Cd,  # descriptors of the sorted rows E_s [N, D] and of the slab's classes C_slab [width, D]
     Bias, Tgt, Perm, NValid, Lse, Alpha, Eta, Dense, DZ, Inv,
-    N, V, D, stride_dz, slab, v0, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ETA: tl.constexpr, SCALE_DZ: tl.constexpr,
+    N, V, D, stride_dz, slab, v0, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+    SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """_slab_dz_kernel with its operands read by tensor descriptors (Hopper): the slab's classes
@@ -176,7 +182,7 @@ def _slab_dz_tma_kernel(
     _offs_p, col_mask, vid = tile_cols(Perm + v0, s, V - v0, BLOCK_V)
     _store_slab_dz(
         acc, Bias, Tgt, Lse, Alpha, Eta, Inv, DZ, offs_n, offs_n < n_valid, vid, col_mask, s * BLOCK_V, N,
-        stride_dz, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_ETA, SCALE_DZ, BLOCK_V,
+        stride_dz, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_V,
     )  # fmt: skip
 
 
@@ -366,6 +372,7 @@ def run_dense_slabs(
     eta: torch.Tensor | None = None,
     dz_bound: torch.Tensor | None = None,
     slabs: list[int] | None = None,
+    temperature: float = 1.0,
 ) -> None:
     """The dense slabs' part of the gradients (module docstring): dE of the sorted rows added to
     ``de_acc`` (fp32 [N, D]), dC's rows of the dense slabs' classes written into ``dC``. ``dense``
@@ -376,7 +383,8 @@ def run_dense_slabs(
     smoothing term -w_v ge (``weight``: class weights, None for 1). ``eta``: the entropy's
     coefficient per sorted row (or None), ``dz_bound``: per row a bound of max |dZ| / softcap' for
     fp16's scale (None: |alpha|). ``slabs``: the dense slabs where the host knows them (their
-    launches only; they still read ``dense``), None: every slab's launches."""
+    launches only; they still read ``dense``), None: every slab's launches. ``temperature``: the
+    logits are softcap(x) / T (``alpha``, ``eta`` and the target coefficients carry its 1 / T)."""
     N = erow.numel()
     V, D = c.shape
     if N == 0 or V == 0 or (de_acc is None and dC is None):
@@ -435,7 +443,8 @@ def run_dense_slabs(
                 _slab_dz_tma_kernel[(triton.cdiv(N, BN), nt)](
                     Ed=e_dz, Cd=c_dz, Bias=bias, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
                     Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_dz=DZ.stride(0), slab=s,
-                    v0=v0, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV,
+                    v0=v0, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature,
+                    HAS_TEMP=temperature != 1.0, BLOCK_N=BN, BLOCK_V=BV,
                     BLOCK_D=cfg.BLOCK_D, PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
                 de_d, dc_d = (dz_de, c_de), (dz_dc, e_dc)
@@ -444,7 +453,8 @@ def run_dense_slabs(
                     E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse,
                     Alpha=alpha, Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
                     stride_c=c.stride(0), stride_dz=DZ.stride(0), slab=s, tile0=t0, softcap=float(softcap),
-                    HAS_SOFTCAP=softcap > 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
+                    HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0,
+                    BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 )  # fmt: skip
                 de_d = dc_d = (None, None)

@@ -450,8 +450,8 @@ def linear_ce_forward(
     ``tpos`` (with ``perm``): each sorted row's target's position in ``perm``, where the caller
     has it (else computed here).
 
-    ``temperature`` divides the logits after the softcap (target logits included); ``entropy``
-    and ``argmax`` add those outputs. A temperature does not go with ``perm``.
+    ``temperature`` divides the logits after the softcap (target logits included; the tile
+    statistics are of the tempered logits); ``entropy`` and ``argmax`` add those outputs.
 
     ``q`` ([N, >= V], unit column stride) and ``qm`` (fp32 [N, tiles of the forward config]),
     without ``perm``: every tile's q = e^(L - m') softcap'(z) and running max m' (_fwd_tile's
@@ -466,8 +466,6 @@ def linear_ce_forward(
     n_blocks = triton.cdiv(N, BN)
     n_vtiles = triton.cdiv(V, BV)
     stats = perm is not None
-    if stats and temperature != 1.0:
-        raise ValueError("the tile statistics (perm) take no temperature")
     if (q is None) != (qm is None) or (q is not None and stats):
         raise ValueError("q and qm go together, and not with the tile statistics (perm)")
     if q is not None and (q.shape[0] < N or q.shape[1] < V or q.stride(1) != 1 or qm.shape != (N, n_vtiles)):
