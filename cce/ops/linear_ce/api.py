@@ -161,8 +161,8 @@ def linear_cross_entropy(
         return_argmax: also return the argmax id per token (ties: the smallest id).
         return_accuracy: also return the share of non-ignored tokens whose argmax is the target.
             With any of these four the result is a :class:`cce.LossOutputs` (loss first; the
-            outputs' conventions at ignored tokens are documented there). A temperature other
-            than 1 takes the exact backward (no gradient filtering). With impl="triton" the
+            outputs' conventions at ignored tokens are documented there). A temperature keeps
+            gradient filtering (the filter sees the tempered logits). With impl="triton" the
             outputs, and gradients through the log-probabilities or the entropy, keep the
             sparse (filtered) backward; with impl="torch", or where the fused or recomputing
             path was chosen, a gradient through the entropy runs an exact one.
