@@ -399,9 +399,12 @@ def _fused_head_forward(model: nn.Module, st: _PatchState, kw: dict):
             fields["mean_logits"] = mean_logits(h, c, bias, head).masked_fill(~mask, 0.0)
             rest = tuple(o for o in rest if o != "mean_logits")
         if rest:
-            hm = h[mask] if not head.cast_fp32 else h[mask].float()
-            for k, v in tiled_metrics(hm, c, bias, t[mask], rest, head).items():
-                fields[k] = v.new_zeros(mask.shape).masked_scatter(mask, v)
+            # Every position, ignored ones too (their label clamped, their value zeroed): no
+            # boolean indexing, whose count would need a host synchronisation.
+            hm = h.reshape(-1, h.shape[-1])
+            hm = hm.float() if head.cast_fp32 else hm
+            for k, v in tiled_metrics(hm, c, bias, t.clamp(min=0).reshape(-1), rest, head).items():
+                fields[k] = v.view(mask.shape).masked_fill(~mask, 0.0)
     loss = -fields["log_probs"].sum()
     if num_items_in_batch is None:
         loss = loss / mask.sum().clamp(min=1)

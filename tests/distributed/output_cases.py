@@ -65,6 +65,13 @@ TRITON_OUTPUT_CASES: dict[str, dict] = {
         logged=True,
         opts=dict(return_entropy=True, return_argmax=True, return_logprobs=True, filter_eps=1e-9),
     ),  # fmt: skip
+    # The sparse backward per block at a temperature: each rank's statistics and filter of its
+    # block's tempered logits, the gradients through every output.
+    "out_triton_sparse_temperature": dict(
+        impl="triton",
+        tuning=dict(backward="sparse"),
+        opts=dict(return_entropy=True, return_logprobs=True, filter_eps=1e-9, temperature=0.7),
+    ),  # fmt: skip
     # Masked classes (a -inf bias, frozen: the sparse backward needs no bias gradient) at every
     # block's first class: the rows whose target lives on another rank must not take a masked
     # class as their stand-in target (its tile statistics' target term gave a NaN entropy).
