@@ -72,14 +72,17 @@ def _common() -> dict:
     )  # fmt: skip
 
 
-def _trainer(kind: str, model, ref, tok):
+def _trainer(kind: str, model, ref, tok, peft_config=None):
     """The trainer of ``kind``; DPO and KTO get ``ref`` as their reference model, RLOO builds its own
-    from the model's path (GRPO's default beta 0 needs none)."""
+    from the model's path (GRPO's default beta 0 needs none); SFT takes ``peft_config``."""
     ds = datasets.Dataset.from_dict
     if kind == "sft":
         args = trl.SFTConfig(per_device_train_batch_size=4, **_common())
         data = ds({"text": _sentences(8, 8, 1)})
-        return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+        torch.manual_seed(2)  # the adapters' initialization, with peft_config
+        return trl.SFTTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tok, peft_config=peft_config
+        )
     if kind == "dpo":
         args = trl.DPOConfig(per_device_train_batch_size=2, **_common())
         data = ds(
@@ -116,11 +119,12 @@ class _CountingHead:
         return self.fn.apply(*args)
 
 
-def _run(kind: str, order: str | None, monkeypatch, path):
+def _run(kind: str, order: str | None, monkeypatch, path, peft_config=None):
     """(logged losses, logged gradient norms, trained lm_head weight) of STEPS steps; ``order``: None
-    (stock TRL), "before" (patch, then build the trainer) or "after" (build, then patch). A
-    reference model the trainer built itself (RLOO) is patched once built. Asserts that TRL's own
-    kernel ran in the stock run and never in the patched ones."""
+    (stock TRL), "before" (patch, then build the trainer) or "after" (build, then patch: with
+    ``peft_config`` the PEFT model the trainer holds). A reference model the trainer built itself
+    (RLOO) is patched once built. Asserts that TRL's own kernel ran in the stock run and never in
+    the patched ones."""
     tok = _tokenizer()
     model, ref = _model(), _model()
     model.save_pretrained(path)
@@ -131,9 +135,9 @@ def _run(kind: str, order: str | None, monkeypatch, path):
         if order == "before":
             ct.patch(model)
             ct.patch(ref)
-        tr = _trainer(kind, model, ref, tok)
+        tr = _trainer(kind, model, ref, tok, peft_config)
         if order == "after":
-            ct.patch(model)
+            ct.patch(model if peft_config is None else tr.model)
             ct.patch(ref)
         if (
             order is not None
@@ -166,34 +170,12 @@ def test_sft_with_peft_matches_stock_trl(order, monkeypatch, tmp_path):
     """TRL wraps the model with PEFT (LoRA on the attention) from ``peft_config``: patching the model
     before, or the PEFT model the trainer holds after, serves TRL's head with cce."""
     peft = pytest.importorskip("peft")
-
-    def run(order):
-        model = _model()
-        counter = _CountingHead(trl.trainer.utils._ChunkedLogProbFunction)
-        config = peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
-        )
-        args = trl.SFTConfig(per_device_train_batch_size=4, **_common())
-        data = datasets.Dataset.from_dict({"text": _sentences(8, 8, 1)})
-        with monkeypatch.context() as m:
-            m.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", counter)
-            if order == "before":
-                ct.patch(model)
-            torch.manual_seed(2)  # the adapters' initialization
-            tr = trl.SFTTrainer(
-                model=model, args=args, train_dataset=data, processing_class=_tokenizer(), peft_config=config
-            )
-            if order == "after":
-                ct.patch(tr.model)
-            tr.train()
-        assert (counter.calls > 0) == (order is None), (order, counter.calls)
-        return [h["loss"] for h in tr.state.log_history if "loss" in h]
-
-    assert run(order) == pytest.approx(run(None), abs=TOL, rel=TOL)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    loss0 = _run("sft", None, monkeypatch, tmp_path, config)[0]
+    assert _run("sft", order, monkeypatch, tmp_path, config)[0] == pytest.approx(loss0, abs=TOL, rel=TOL)
 
 
-def _fused_outputs():
-    return ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
+FUSED_OUTPUTS = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -214,16 +196,16 @@ def test_fused_head_fields_and_gradients(order, temperature):
         return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     stock = _model()
-    add_fused_lm_head(stock, temperature=temperature, outputs=_fused_outputs())
+    add_fused_lm_head(stock, temperature=temperature, outputs=FUSED_OUTPUTS)
     ref, ref_grads = step(stock)
     model = _model()
     if order == "before":
         ct.patch(model)
-    add_fused_lm_head(model, temperature=temperature, outputs=_fused_outputs())
+    add_fused_lm_head(model, temperature=temperature, outputs=FUSED_OUTPUTS)
     if order == "after":
         ct.patch(model)
     out, grads = step(model)
-    for k in (*_fused_outputs(), "loss", "label_mask"):
+    for k in (*FUSED_OUTPUTS, "loss", "label_mask"):
         a, b = getattr(out, k), getattr(ref, k)
         assert a.dtype == b.dtype and a.shape == b.shape, k
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5, msg=k)
