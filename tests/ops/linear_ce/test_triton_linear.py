@@ -340,13 +340,14 @@ def test_dispatch_by_size():
     assert linear_backward(Tuning(sparse_min_flops=1e30), *args, 1e20, False) == "exact"
 
 
-@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("parts", [1, 3, 37])
 @pytest.mark.parametrize("smoothing", [False, True])
 def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     """forward.merge_splits against the splits' merge written in torch: rows no split wrote
-    (m = -inf, S = 0: 0), parts that never saw a row, a NaN partial (NaN: a non-finite logit
-    reaches the loss), a non-finite head lse; N not a multiple of the kernel's block. Equal to
-    fp32 rounding (the sums over parts may associate differently)."""
+    (m = -inf, S = 0: 0), parts that never saw a row, a NaN partial in the last part (NaN: a
+    non-finite logit reaches the loss), a non-finite head lse; N not a multiple of the kernel's
+    row block, 37 parts not a multiple of its part block. Equal to fp32 rounding (the sums over
+    parts may associate differently)."""
     from cce.ops.linear_ce.kernels.forward import merge_splits
 
     N = 1500
@@ -356,7 +357,7 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     unseen = torch.rand(parts, N, device=dev) < 0.3
     Mx[unseen], Se[unseen] = float("-inf"), 0.0
     Mx[:, :7], Se[:, :7] = float("-inf"), 0.0  # never written
-    Mx[0, 20] = float("nan")  # a NaN in one part: torch's max propagates it, and so does the lse
+    Mx[-1, 20] = float("nan")  # a NaN in one part: torch's max propagates it, and so does the lse
     Se[:, 30] = float("nan")  # a NaN sum under a -inf max (a row of NaN logits): NaN too
     Mx[:, 30] = float("-inf")
     Ss = torch.randn(parts, N, device=dev) if smoothing else None

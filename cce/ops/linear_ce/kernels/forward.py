@@ -292,39 +292,44 @@ def _fwd_kernel(
 #   M0Out_i = M0_i where finite, else 0                             (the head tile's lse).
 #
 # Two passes over the parts (the max, then the rescaled sum), in one launch instead of about
-# fifteen torch ops (host time of a step: docs/benchmarks.md, "Host time"). The parts are summed in
-# order p = 0, 1, ...; Se exp(-inf - M) = 0 for parts that never saw the row.
+# fifteen torch ops (host time of a step: docs/benchmarks.md, "Host time"). A program takes
+# BLOCK rows and reads the parts BLOCK_P at a time ([BLOCK_P, BLOCK] tiles, each row of a tile
+# contiguous), so that a chunk of a few thousand rows split over a hundred or more parts (the
+# fused path's forward) still spreads over many programs with few dependent loads each; parts
+# that never saw a row add Se exp(-inf - M) = 0.
 @cached_launch
 @triton.heuristics({"HAS_SS": lambda a: a["Ss"] is not None, "HAS_M0": lambda a: a["M0"] is not None})
 @triton.jit
 def _merge_kernel(
     Mx, Se, Ss, Zt, M0, Lse, Tl, SsOut, M0Out, N, parts, stride_part,
-    HAS_SS: tl.constexpr, HAS_M0: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SS: tl.constexpr, HAS_M0: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    # (The parts are walked by moving pointers, whose arithmetic is 64-bit: parts x N may pass
-    # 2^31.)
+    offs_p = tl.arange(0, BLOCK_P)
     M = tl.full([BLOCK], float("-inf"), tl.float32)
-    pm = Mx + offs
-    for _ in range(0, parts):
-        # (NaN propagates, as in torch's max)
-        M = tl.maximum(M, tl.load(pm, mask=mask, other=float("-inf")), propagate_nan=tl.PropagateNan.ALL)
-        pm += stride_part
+    n_nan = tl.zeros([BLOCK], tl.int32)
+    for p0 in range(0, parts, BLOCK_P):
+        # (64-bit part offsets: parts x N may pass 2^31)
+        pp = p0 + offs_p
+        ptr = (pp.to(tl.int64) * stride_part)[:, None] + offs[None, :]  # [BLOCK_P, BLOCK]
+        m2 = (pp < parts)[:, None] & mask[None, :]
+        x = tl.load(Mx + ptr, mask=m2, other=float("-inf"))
+        M = tl.maximum(M, tl.max(x, axis=0))
+        n_nan += tl.sum((x != x).to(tl.int32), axis=0)
+    M = tl.where(n_nan > 0, float("nan"), M)  # (NaN propagates, as in torch's max)
     done = M != float("-inf")  # (true for NaN and +inf: those rows' lse is NaN, not 0)
     Mz = tl.where(done, M, 0.0)
     S = tl.zeros([BLOCK], tl.float32)
     ss = tl.zeros([BLOCK], tl.float32)
-    pm, ps = Mx + offs, Se + offs
-    if HAS_SS:
-        pss = Ss + offs
-    for _ in range(0, parts):
-        S += tl.load(ps, mask=mask, other=0.0) * tl.exp(tl.load(pm, mask=mask, other=float("-inf")) - Mz)
-        pm += stride_part
-        ps += stride_part
+    for p0 in range(0, parts, BLOCK_P):
+        pp = p0 + offs_p
+        ptr = (pp.to(tl.int64) * stride_part)[:, None] + offs[None, :]
+        m2 = (pp < parts)[:, None] & mask[None, :]
+        x = tl.load(Mx + ptr, mask=m2, other=float("-inf"))
+        S += tl.sum(tl.load(Se + ptr, mask=m2, other=0.0) * tl.exp(x - Mz[None, :]), axis=0)
         if HAS_SS:
-            ss += tl.load(pss, mask=mask, other=0.0)
-            pss += stride_part
+            ss += tl.sum(tl.load(Ss + ptr, mask=m2, other=0.0), axis=0)
     # (S is NaN where a split's sum is, e.g. a row of NaN logits whose max reads -inf: its lse
     # is NaN too)
     nan_s = S != S
@@ -349,11 +354,11 @@ def merge_splits(
     ss = None if Ss is None else torch.empty(N, dtype=f32, device=Mx.device)
     m0o = None if m0 is None else torch.empty(N, dtype=f32, device=Mx.device)
     if N > 0:
-        BLOCK = 1024
+        BLOCK, BLOCK_P = 64, 16
         with device_context(Mx.device):
             _merge_kernel[(triton.cdiv(N, BLOCK),)](
                 Mx=Mx, Se=Se, Ss=Ss, Zt=zt, M0=m0, Lse=lse, Tl=tl_, SsOut=ss, M0Out=m0o, N=N, parts=P,
-                stride_part=Mx.stride(0), BLOCK=BLOCK,
+                stride_part=Mx.stride(0), BLOCK=BLOCK, BLOCK_P=BLOCK_P,
             )  # fmt: skip
     return lse, tl_, ss, m0o
 
