@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -90,7 +91,12 @@ def _cuda_properties(index: int) -> tuple[int, tuple[int, int]]:
     return p.multi_processor_count, (p.major, p.minor)
 
 
-def linear_backward(
+def linear_backward(*args, **kwargs) -> str:
+    """backward_choice's algorithm alone (its arguments)."""
+    return backward_choice(*args, **kwargs)[0]
+
+
+def backward_choice(
     tuning: Tuning,
     filter_eps: float,
     need_de: bool,
@@ -103,8 +109,9 @@ def linear_backward(
     fused_ok: bool = False,
     fused_whole: bool = False,
     classes: int | None = None,
-) -> str:
-    """The Triton backward of a linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
+) -> tuple[str, str]:
+    """(algorithm, the rule that chose it in words: cce.explain) of the Triton backward of a
+    linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
     cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
     softcap with label smoothing, whose smoothing term is then not rank-1) or "recompute"
     (filtered, recomputing every tile).
@@ -134,26 +141,37 @@ def linear_backward(
     cce/ops/linear_ce/triton_impl.py.)"""
     exact = "fused" if fused_ok else "exact"
     if filter_eps <= 0:
-        return exact
+        return exact, "exact: filter_eps is None (or 0)"
     min_flops = tuning.sparse_min_flops
     if min_flops is None:
         min_flops = SPARSE_MIN_FLOPS_CUDA if cuda else 0.0
     if tuning.backward == "auto" and flops < min_flops:
-        return exact
+        return exact, f"exact: 2 N V D = {flops:.3g} flops is below Tuning.sparse_min_flops ({min_flops:.3g})"
     calibrated = tuning.backward == "auto" and fused_ok and tuning.sparse_min_flops is None
     if calibrated and fused_whole and cuda:
-        return "fused"
+        return (
+            "fused",
+            "exact (fused): the logits fit one fused chunk (filtering's fixed costs would outweigh it)",
+        )
     min_classes = tuning.sparse_min_classes
     if min_classes is None:
         min_classes = SPARSE_MIN_CLASSES_CUDA if cuda else 0
     if calibrated and classes is not None and classes < min_classes:
-        return "fused"
-    applies = (need_de or need_dc) and not need_dbias and not (softcap > 0 and label_smoothing > 0)
-    if tuning.backward == "recompute" or not applies:
-        return "recompute"
+        return "fused", f"exact (fused): V = {classes} is below Tuning.sparse_min_classes ({min_classes})"
+    if not (need_de or need_dc):
+        return "recompute", "filtered, recomputing every tile: only the bias gradient is asked for"
+    if need_dbias:
+        return "recompute", "filtered, recomputing every tile: the bias gradient needs every tile's sums"
+    if softcap > 0 and label_smoothing > 0:
+        return "recompute", "filtered, recomputing every tile: softcap with label smoothing"
+    if tuning.backward == "recompute":
+        return "recompute", "filtered, recomputing every tile: Tuning(backward='recompute')"
     if tuning.backward == "auto" and filter_eps < SPARSE_MIN_EPS:
-        return "recompute"
-    return "sparse"
+        return "recompute", (
+            f"filtered, recomputing every tile: filter_eps {filter_eps:.3g} is below {SPARSE_MIN_EPS:.3g}, "
+            "where most tiles are kept"
+        )
+    return "sparse", "filtered from the forward's tile statistics (the sparse backward)"
 
 
 # The fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) stores q per logit in the
@@ -166,7 +184,12 @@ FUSED_MIN_D = 1024
 FUSED_HOST_BOUND_LOGITS = 1 << 29
 
 
-def fused_fits(
+def fused_fits(*args, **kwargs) -> bool:
+    """Whether the fused exact path serves the call (fused_misfit's arguments)."""
+    return fused_misfit(*args, **kwargs) is None
+
+
+def fused_misfit(
     tuning: Tuning,
     reduction: str,
     dtype: torch.dtype,
@@ -176,8 +199,10 @@ def fused_fits(
     need_grad: bool,
     softcap: float = 0.0,
     label_smoothing: float = 0.0,
-) -> bool:
-    """Whether the fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) serves a training
+) -> str | None:
+    """Why the fused exact path does not serve a call, in words (None where it does: cce.explain).
+
+    The fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) serves a training
     step where the exact backward would run: the upstream gradient is a scalar (reduction "mean"
     or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
     of a "mean" falls below its normal range); it is the faster one (D >= FUSED_MIN_D, or at most
@@ -185,16 +210,25 @@ def fused_fits(
     the softcap's derivative per entry); and its memory is bounded: the logits come in at most
     FUSED_DIRECT_CHUNKS chunks of ``tuning.fused_chunk_bytes`` (dC accumulates in its own dtype),
     or the fp32 dC accumulator that more chunks need (V D 4 bytes) fits that budget too."""
-    if not (tuning.fused and need_grad and reduction in ("mean", "sum")):
-        return False
+    if not need_grad:
+        return "no gradient is asked for"
+    if not tuning.fused:
+        return "Tuning(fused=False)"
+    if reduction not in ("mean", "sum"):
+        return f"reduction {reduction!r}: the upstream gradient is not one scalar"
     if softcap > 0 and label_smoothing > 0:
-        return False
+        return "softcap with label smoothing"
     if dtype not in (torch.bfloat16, torch.float32):
-        return False
+        return f"{dtype} operands"
     if D < FUSED_MIN_D and N * V > FUSED_HOST_BOUND_LOGITS:
-        return False
+        return f"D = {D} < {FUSED_MIN_D} with more than 2^29 logits (four passes are faster there)"
     chunks = fused_chunks(tuning, N, V, dtype.itemsize)
-    return chunks <= FUSED_DIRECT_CHUNKS or 4 * V * D <= tuning.fused_chunk_bytes
+    if chunks <= FUSED_DIRECT_CHUNKS or 4 * V * D <= tuning.fused_chunk_bytes:
+        return None
+    return (
+        f"{chunks} chunks of q would need an fp32 dC accumulator of {4 * V * D / 2**20:.0f} MiB, "
+        f"above Tuning.fused_chunk_bytes"
+    )
 
 
 # dC of the fused path over several row chunks: up to this many chunks it accumulates in c's
@@ -231,3 +265,89 @@ def fused_chunks(tuning: Tuning, N: int, V: int, itemsize: int = 4) -> int:
 def fused_one_chunk(tuning: Tuning, N: int, V: int, itemsize: int = 4) -> bool:
     """Whether the fused path's q (padded rows of ``itemsize`` bytes) fits one chunk."""
     return fused_chunks(tuning, N, V, itemsize) == 1
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """What a linear-cross-entropy call runs, decided on the host before any kernel (the op reads
+    it; ``cce.explain`` returns it): the implementation, the backward algorithm (impl="triton":
+    "fused", "exact", "sparse" or "recompute", linear_backward; impl="torch": "chunked-forward",
+    the gradients formed by the forward's chunks, or "chunked", recomputed in the backward), the
+    threshold the backward filters with (0: exact), the fused path's row chunks (0 off it) and
+    the rules that chose them, in words."""
+
+    impl: str
+    backward: str
+    filter_eps: float
+    chunks: int
+    reasons: tuple[str, ...]
+
+    def __str__(self) -> str:
+        head = f"impl={self.impl!r}, backward={self.backward!r}, filter_eps={self.filter_eps:.3g}"
+        if self.chunks:
+            head += f", {self.chunks} row chunk(s)"
+        return "\n".join([head, *(f"  - {r}" for r in self.reasons)])
+
+
+def plan_triton(
+    tuning: Tuning,
+    reduction: str,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    grads: tuple[bool, bool, bool],
+    softcap: float,
+    label_smoothing: float,
+    filter_eps: float,
+    cuda: bool,
+) -> LinearPlan:
+    """impl="triton"'s plan for ``shape`` = (N rows, V classes, D features) and ``grads`` =
+    (dE, dC, dbias asked for): fused_misfit, then backward_choice."""
+    (N, V, D), (need_de, need_dc, need_dbias) = shape, grads
+    need = need_de or need_dc or need_dbias
+    misfit = fused_misfit(tuning, reduction, dtype, N, V, D, need, softcap, label_smoothing)
+    whole = fused_one_chunk(tuning, N, V, dtype.itemsize)
+    algo, why = backward_choice(
+        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, 2.0 * N * V * D, cuda,
+        misfit is None, whole, classes=V,
+    )  # fmt: skip
+    reasons = [why] if need else ["no gradient is asked for: the forward alone runs"]
+    if need and algo == "fused":
+        reasons.append("gradients formed in the forward by row chunks: three matmul passes")
+    elif need and algo == "exact":
+        reasons.append(f"not the fused path ({misfit}): four matmul passes")
+    chunks = fused_chunks(tuning, N, V, dtype.itemsize) if algo == "fused" else 0
+    eps = filter_eps if algo in ("sparse", "recompute") else 0.0
+    return LinearPlan("triton", algo, eps, chunks, tuple(reasons))
+
+
+def plan_torch(
+    reduction: str,
+    differentiable_outputs: bool,
+    need_grad: bool,
+    filter_eps: float,
+    cpu: bool,
+    smoothing_under_softcap: bool = False,
+) -> LinearPlan:
+    """impl="torch"'s plan (cce/ops/linear_ce/chunked.py: filtering on CPU tensors only, and not
+    for label smoothing under a softcap)."""
+    eps = filter_eps if cpu and not smoothing_under_softcap else 0.0
+    if not need_grad:
+        return LinearPlan("torch", "chunked", eps, 0, ("no gradient is asked for: the forward alone runs",))
+    if reduction != "none" and not differentiable_outputs:
+        algo, why = (
+            "chunked-forward",
+            f"reduction {reduction!r}: the gradients are formed by the forward's chunks",
+        )
+    else:
+        algo, why = "chunked", "per-token upstream gradients: the backward recomputes the chunks' logits"
+    if eps > 0:
+        filt = f"CPU: the products of tiles whose probabilities are all below {eps:.3g} are skipped"
+    elif filter_eps > 0:
+        filt = (
+            "exact: filtering runs on CPU tensors only"
+            if not cpu
+            else "exact: label smoothing under a softcap"
+        )
+    else:
+        filt = "exact: filter_eps is None (or 0)"
+    return LinearPlan("torch", algo, eps, 0, (why, filt))

@@ -3,6 +3,6 @@
 Triton one (triton_impl.py, triton_backward.py, kernels/), the row orders (rows.py) and the
 per-block interface of vocabulary parallelism (local.py)."""
 
-from .api import LinearCrossEntropy, linear_cross_entropy, linear_cross_entropy_with_options
+from .api import LinearCrossEntropy, explain, linear_cross_entropy, linear_cross_entropy_with_options
 
-__all__ = ["LinearCrossEntropy", "linear_cross_entropy", "linear_cross_entropy_with_options"]
+__all__ = ["LinearCrossEntropy", "explain", "linear_cross_entropy", "linear_cross_entropy_with_options"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import _math
-from ..._dispatch import is_dtensor, needs_grad, select_impl
+from ..._dispatch import LinearPlan, is_dtensor, needs_grad, plan_torch, plan_triton, select_impl
 from ..._validation import check_linear_inputs, debug_checks_enabled, guard_targets
 from ...options import CCEOptions
 from ...outputs import assemble
@@ -79,8 +79,9 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions, check_o
     if impl == "torch":
         from .torch_impl import linear_ce_torch_fwd
 
-        grads = need_de or need_dc or need_db
-        precompute = grads and opts.reduction != "none" and not opts.differentiable_outputs
+        grads, cpu = need_de or need_dc or need_db, e.device.type == "cpu"
+        plan = plan_torch(opts.reduction, opts.differentiable_outputs, grads, eps, cpu)
+        precompute = plan.backward == "chunked-forward"
         loss, lse, tgt_logit, entropy, argmax, *_ = linear_ce_torch_fwd(
             *args, precompute, need_de, need_dc, need_db, opts.resolved_tuning.chunk_bytes,
             float(opts.temperature), opts.return_entropy, opts.return_argmax or opts.return_accuracy,
@@ -99,6 +100,52 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions, check_o
     if opts.reduction == "none":
         loss = loss.reshape(out_shape)
     return assemble(opts, loss, lse, tgt_logit, entropy, argmax, tgt, lambda x: x.reshape(out_shape), bad)
+
+
+def explain(
+    e: torch.Tensor,
+    c: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight: torch.Tensor | None = None,
+    **options,
+) -> LinearPlan:
+    """What ``linear_cross_entropy(e, c, targets, bias, weight=weight, **options)`` would run, and
+    why, without running it: a :class:`cce.LinearPlan` (print it for the rules in words).
+
+    Decided as the call decides it, on the host, from the options (``tuning`` included), the
+    tensors' shapes, dtype and device, and which gradients autograd would ask for (the tensors'
+    ``requires_grad`` under the current grad mode); never from their values. For example::
+
+        print(cce.explain(hidden, lm_head.weight, labels, shift=True))
+        # impl='triton', backward='sparse', filter_eps=0.00391
+        #   - filtered from the forward's tile statistics (the sparse backward)
+
+    Vocabulary parallelism (``process_group``, a sharded ``c``) is not explained: each rank's
+    block runs the single-device dispatch with per-token upstream gradients.
+    """
+    if options.get("process_group") is not None or is_dtensor(c):
+        raise NotImplementedError(
+            "explain() covers single-device calls; vocabulary parallelism is not explained"
+        )
+    options.pop("process_group", None)
+    opts = CCEOptions(**options)
+    e, c, bias = _autocast_operands(e, c, bias)
+    check_linear_inputs(e, c, targets, bias, weight, opts)
+    D = max(e.shape[-1], 1)  # (D = 0 runs as one zero feature)
+    impl = select_impl(opts.impl, e.device)
+    _, _, tgt, _ = flatten_rows(e, targets, opts.shift)
+    need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
+    eps = opts.resolved_filter_eps(e.dtype)
+    if impl == "torch":
+        grads, cpu = need_de or need_dc or need_db, e.device.type == "cpu"
+        smooth_cap = opts.label_smoothing > 0 and opts.softcap_value > 0
+        return plan_torch(opts.reduction, opts.differentiable_outputs, grads, eps, cpu, smooth_cap)
+    return plan_triton(
+        opts.resolved_tuning, opts.reduction, e.dtype, (tgt.numel(), c.shape[0], D),
+        (need_de, need_dc, need_db), opts.softcap_value, float(opts.label_smoothing), eps, c.is_cuda,
+    )  # fmt: skip
 
 
 def linear_cross_entropy(

@@ -21,7 +21,7 @@ import torch
 
 from ... import _math
 from ..._custom_ops import define_op, register_autograd, register_fake
-from ..._dispatch import fused_fits, fused_one_chunk, linear_backward
+from ..._dispatch import plan_triton
 from ...options import Tuning
 from .kernels.common import inverse_permutation, stats_blocks
 from .kernels.forward import linear_ce_forward
@@ -542,13 +542,10 @@ def linear_ce_triton(
     statistics (of the tempered logits, at any temperature); a gradient reaching the entropy is
     part of the sparse backward (after the fused forward it runs the exact one)."""
     N, (V, D) = targets.numel(), c.shape
-    flops = 2.0 * N * V * D
-    need = need_de or need_dc or need_dbias
-    fused = fused_fits(tuning, reduction, e2d.dtype, N, V, D, need, softcap, label_smoothing)
-    algo = linear_backward(
-        tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, flops, c.is_cuda,
-        fused, fused_one_chunk(tuning, N, V, e2d.dtype.itemsize), classes=V,
-    )  # fmt: skip
+    algo = plan_triton(
+        tuning, reduction, e2d.dtype, (N, V, D), (need_de, need_dc, need_dbias), softcap, label_smoothing,
+        filter_eps, c.is_cuda,
+    ).backward  # fmt: skip
     if algo == "fused":
         out = linear_ce_triton_fused(
             e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,

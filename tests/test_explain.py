@@ -1,0 +1,118 @@
+"""cce.explain: the plan a call would run, against the path the call then takes (the launchers
+it calls, and with which threshold), over options, gradients asked for and both impls; nothing
+runs while explaining."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cce
+import cce.ops.linear_ce.torch_impl as tim
+from tests.helpers import make_linear_inputs
+
+pytest.importorskip("triton")
+
+# (options, tuning, which inputs require a gradient): every branch of the triton plan on CPU
+# tensors under the interpreter (there the size and vocabulary rules are off: Tuning's None).
+CASES = [
+    ({}, {}, "ec"),
+    ({"filter_eps": None}, {}, "ec"),
+    ({"filter_eps": None, "reduction": "none"}, {}, "ec"),
+    ({"filter_eps": 0.01}, {}, "ec"),
+    ({"filter_eps": 0.01}, {"backward": "recompute"}, "ec"),
+    ({"filter_eps": 0.01, "reduction": "sum"}, {"fused_chunk_bytes": 1 << 30}, "c"),
+    ({"filter_eps": 0.01}, {"sparse_min_flops": 1e30}, "ec"),
+    ({"filter_eps": 0.01, "bias": True}, {}, "ecb"),
+    ({"filter_eps": 0.01, "softcap": 5.0, "label_smoothing": 0.1}, {"fused": False}, "e"),
+    ({"filter_eps": 0.01, "shift": True, "return_entropy": True}, {}, "ec"),
+    ({"filter_eps": None, "return_lse": True}, {"fused": False}, "ec"),
+    ({}, {}, ""),
+]
+
+
+def _inputs(opts, grads, dtype=torch.float32):
+    opts = dict(opts)
+    g = torch.Generator().manual_seed(len(str(opts)) + len(grads))
+    e, c, t, b = make_linear_inputs((2, 12), 16, 70, dtype, bias=opts.pop("bias", False), generator=g)
+    e.requires_grad_("e" in grads)
+    c.requires_grad_("c" in grads)
+    if b is not None:
+        b.requires_grad_("b" in grads)
+    return e, c, t, b, opts
+
+
+def _spy(monkeypatch):
+    """The triton launchers the call reaches: ("fused",) or ("fwd", filter_eps, stats)."""
+    import cce.ops.linear_ce.triton_impl as ti
+
+    seen = []
+    fused, fwd = ti.linear_ce_triton_fused, ti.linear_ce_triton_fwd
+    monkeypatch.setattr(ti, "linear_ce_triton_fused", lambda *a: seen.append(("fused",)) or fused(*a))
+    monkeypatch.setattr(ti, "linear_ce_triton_fwd", lambda *a: seen.append(("fwd", a[11], a[12])) or fwd(*a))
+    return seen
+
+
+@pytest.mark.parametrize("opts,tuning,grads", CASES)
+def test_explain_triton_matches_the_path_taken(opts, tuning, grads, monkeypatch):
+    e, c, t, b, opts = _inputs(opts, grads)
+    o = cce.CCEOptions(**opts, impl="triton", tuning=cce.Tuning(**tuning))
+    seen = _spy(monkeypatch)
+    plan = cce.explain(e, c, t, b, impl="triton", tuning=cce.Tuning(**tuning), **opts)
+    assert seen == []  # nothing ran
+    assert plan.impl == "triton" and plan.reasons and str(plan).startswith("impl='triton'")
+    out = cce.linear_cross_entropy_with_options(e, c, t, b, None, o)
+    loss = out.loss if isinstance(out, cce.LossOutputs) else out[0] if isinstance(out, tuple) else out
+    if grads:
+        loss.sum().backward()
+    first = seen[0]
+    if plan.backward == "fused":
+        assert first == ("fused",) and plan.filter_eps == 0 and plan.chunks >= 1
+    else:
+        assert first[0] == "fwd" and plan.chunks == 0
+        assert first[2] == (plan.backward == "sparse")  # the tile statistics
+        assert (first[1] == 0) == (plan.backward == "exact")
+        if plan.backward in ("sparse", "recompute"):
+            assert first[1] == plan.filter_eps > 0
+
+
+@pytest.mark.parametrize(
+    "opts,grads,want",
+    [
+        ({}, "ec", "chunked-forward"),
+        ({"reduction": "none"}, "ec", "chunked"),
+        ({"return_lse": True}, "c", "chunked"),
+        ({"filter_eps": None}, "e", "chunked-forward"),
+        ({}, "", "chunked"),
+    ],
+)
+def test_explain_torch_matches_the_path_taken(opts, grads, want, monkeypatch):
+    e, c, t, b, opts = _inputs(opts, grads)
+    seen = []
+    real = tim.linear_ce_torch_fwd
+    monkeypatch.setattr(tim, "linear_ce_torch_fwd", lambda *a: seen.append((a[11], a[12])) or real(*a))
+    plan = cce.explain(e, c, t, b, impl="torch", **opts)
+    assert seen == [] and plan.impl == "torch" and plan.backward == want
+    cce.linear_cross_entropy(e, c, t, b, impl="torch", **opts)
+    eps, precompute = seen[0]
+    assert precompute == (plan.backward == "chunked-forward")
+    assert eps == plan.filter_eps  # CPU tensors: the threshold the filter uses
+
+
+def test_explain_plain_user_call():
+    """A new user's call: the default options on CPU tensors, printed."""
+    e, c, t, _, _ = _inputs({}, "ec")
+    text = str(cce.explain(e, c, t))
+    assert text.splitlines()[0] == "impl='torch', backward='chunked-forward', filter_eps=9.54e-07"
+    assert "skipped" in text
+
+
+def test_explain_refusals():
+    """The call's own validation (a bad option, mismatched shapes) and vocabulary parallelism."""
+    e, c, t, _, _ = _inputs({}, "ec")
+    with pytest.raises(ValueError):
+        cce.explain(e, c, t, reduction="avg")
+    with pytest.raises(ValueError):
+        cce.explain(e, c[:, :8], t)
+    with pytest.raises(NotImplementedError, match="vocabulary parallelism"):
+        cce.explain(e, c, t, process_group=object())
