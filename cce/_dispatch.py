@@ -65,6 +65,22 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def autocast_operands(e: Any, c: Any, bias: Any) -> tuple[Any, Any, Any]:
+    """Under autocast, the matmul operands in the autocast dtype, as ``lm_head(e)`` would use.
+
+    The casts are ordinary differentiable ops, so fp32 parameters get fp32 gradients.
+    """
+    dev = e.device.type if isinstance(e, torch.Tensor) else "cpu"
+    if dev not in ("cpu", "cuda", "mps", "xpu") or not torch.is_autocast_enabled(dev):
+        return e, c, bias
+    dt = torch.get_autocast_dtype(dev)
+
+    def cast(t):
+        return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return cast(e), cast(c), cast(bias)
+
+
 def needs_grad(t: torch.Tensor | None) -> bool:
     """Whether autograd will ask for t's gradient."""
     return t is not None and t.requires_grad and torch.is_grad_enabled()

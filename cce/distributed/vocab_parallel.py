@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _math
-from .._dispatch import is_dtensor, needs_grad, select_impl
+from .._dispatch import autocast_operands, is_dtensor, needs_grad, select_impl
 from .._validation import debug_checks_enabled, guard_targets
 from ..ops.linear_ce.local import block_stats, logits_at
 from ..ops.linear_ce.rows import flatten_rows
@@ -236,16 +236,19 @@ def vocab_parallel_with_options(
     check: str = "once",
 ):
     """:func:`linear_cross_entropy_vocab_parallel` with its options in a :class:`CCEOptions`
-    (the form ``cce.linear_cross_entropy_with_options`` dispatches to)."""
-    c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
-    e = replicated_local("e", e)
-    targets = replicated_local("targets", targets)
-    lay = check_setup(e, c, targets, bias, weight, opts, group, check_replicated, global_V, check=check)
-    targets, bad = _guard(targets, lay.V, opts)
-    impl = select_impl(opts.impl, e.device)
-    e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
-    out = _stats_loss(e2d, rows, tgt, c, bias, weight, opts, lay, impl, group, tokens_sharded=False)
-    return _finish(out, tgt, opts, out_shape, bad)
+    (the form ``cce.linear_cross_entropy_with_options`` dispatches to). Under autocast the
+    operands are cast to its dtype first, as on one device (cce._dispatch.autocast_operands)."""
+    e, c, bias = autocast_operands(e, c, bias)
+    with torch.autocast(e.device.type if isinstance(e, torch.Tensor) else "cpu", enabled=False):
+        c, bias, weight, group, global_V = _group_of(c, bias, weight, process_group)
+        e = replicated_local("e", e)
+        targets = replicated_local("targets", targets)
+        lay = check_setup(e, c, targets, bias, weight, opts, group, check_replicated, global_V, check=check)
+        targets, bad = _guard(targets, lay.V, opts)
+        impl = select_impl(opts.impl, e.device)
+        e2d, rows, tgt, out_shape = flatten_rows(e, targets, opts.shift)
+        out = _stats_loss(e2d, rows, tgt, c, bias, weight, opts, lay, impl, group, tokens_sharded=False)
+        return _finish(out, tgt, opts, out_shape, bad)
 
 
 def vocab_parallel_sharded_tokens(

@@ -176,7 +176,7 @@ CACHE_COMPILE_CASES = ("cache_compile",)
 # sparse backward equals the single-device call's (the same vocabulary tiles: only the per-row
 # coefficients' rounding differs); a step traces under torch.compile(fullgraph=True) (the
 # interpreter's kernels behind the custom ops; backend aot_eager: no C++ compiler needed).
-WORLD1_CASES = ("w1_sparse_equal", "w1_compile_fullgraph")
+WORLD1_CASES = ("w1_sparse_equal", "w1_autocast", "w1_compile_fullgraph")
 FSDP_CASES = ("fsdp_head_separate", "fsdp_head_vocab_parallel", "fsdp_root_only_inside_forward")
 # cce.linear_cross_entropy(..., process_group=) and a DTensor classifier through the public API
 # (run once cce.linear forwards them to cce.distributed).
@@ -508,6 +508,25 @@ def _world1_case(name, rank, world, group):
             vp, leaf(e), leaf(c), t, None, generator=torch.Generator().manual_seed(3), reduction="none"
         )
         _compare(name, got, ref, TOL_FP32, slice(None))
+    elif name == "w1_autocast":
+        # Under autocast the process group's call computes in bf16 as the one-device call does
+        # (its operands cast as lm_head's would be): the same loss to fp32 rounding, where
+        # computing in fp32 instead differs by ~5e-4; fp32 gradients for the fp32 leaves.
+        tf = cce.linear_cross_entropy
+
+        def run(**k):
+            el, cl = leaf(e), leaf(c)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = tf(el, cl, t, impl="torch", shift=True, **k)
+            return (loss, *torch.autograd.grad(loss, (el, cl)))
+
+        got, ref = run(process_group=group), run()
+        with torch.autocast("cpu", enabled=False):
+            fp32 = tf(leaf(e), leaf(c), t, impl="torch", shift=True)
+        assert rel_err(ref[0], fp32) > 1e-5  # (the case tells the two apart)
+        assert rel_err(got[0], ref[0]) <= TOL_FP32, f"{name}: loss {got[0]} vs {ref[0]}"
+        for a, r in zip(got[1:], ref[1:], strict=True):
+            assert a.dtype == torch.float32 and rel_err(a, r) <= TOL_BF16
     elif name == "w1_compile_fullgraph":
         el, cl = leaf(e), leaf(c)
         eager = vp(el, cl, t)

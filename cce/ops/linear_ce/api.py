@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ... import _math
-from ..._dispatch import LinearPlan, is_dtensor, needs_grad, plan_torch, plan_triton, select_impl
+from ..._dispatch import (
+    LinearPlan,
+    autocast_operands,
+    is_dtensor,
+    needs_grad,
+    plan_torch,
+    plan_triton,
+    select_impl,
+)
 from ..._validation import check_linear_inputs, debug_checks_enabled, guard_targets
 from ...options import CCEOptions
 from ...outputs import assemble
@@ -28,32 +36,18 @@ def linear_cross_entropy_with_options(
     process_group=None,
 ):
     """linear_cross_entropy with its options already in a :class:`CCEOptions`."""
+    # Under autocast the operands are cast as lm_head's would be (autocast_operands; the
+    # vocabulary-parallel path does the same), and autocast must not re-cast the matmuls inside
+    # the ops, which compute in the operands' dtype with fp32 accumulation (it would mix dtypes in
+    # their in-place accumulations).
     if process_group is not None or is_dtensor(c):
         from ...distributed.vocab_parallel import vocab_parallel_with_options
 
         return vocab_parallel_with_options(e, c, targets, bias, weight, opts, process_group)
-    e, c, bias = _autocast_operands(e, c, bias)
+    e, c, bias = autocast_operands(e, c, bias)
     check_linear_inputs(e, c, targets, bias, weight, opts)
-    # The ops compute in the operands' dtype with fp32 accumulation; autocast must not re-cast
-    # the matmuls inside them (it would mix dtypes in their in-place accumulations).
     with torch.autocast(e.device.type, enabled=False):
         return _linear_cross_entropy(e, c, targets, bias, weight, opts, debug_checks_enabled(e.device))
-
-
-def _autocast_operands(e, c, bias):
-    """Under autocast, the matmul operands in the autocast dtype, as ``lm_head(e)`` would use.
-
-    The casts are ordinary differentiable ops, so fp32 parameters get fp32 gradients.
-    """
-    dev = e.device.type if isinstance(e, torch.Tensor) else "cpu"
-    if dev not in ("cpu", "cuda", "mps", "xpu") or not torch.is_autocast_enabled(dev):
-        return e, c, bias
-    dt = torch.get_autocast_dtype(dev)
-
-    def cast(t):
-        return t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    return cast(e), cast(c), cast(bias)
 
 
 def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions, check_on_host: bool):
@@ -131,7 +125,7 @@ def explain(
         )
     options.pop("process_group", None)
     opts = CCEOptions(**options)
-    e, c, bias = _autocast_operands(e, c, bias)
+    e, c, bias = autocast_operands(e, c, bias)
     check_linear_inputs(e, c, targets, bias, weight, opts)
     D = max(e.shape[-1], 1)  # (D = 0 runs as one zero feature)
     impl = select_impl(opts.impl, e.device)
