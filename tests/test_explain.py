@@ -108,11 +108,19 @@ def test_explain_plain_user_call():
 
 
 def test_explain_refusals():
-    """The call's own validation (a bad option, mismatched shapes) and vocabulary parallelism."""
+    """The call's own validation: a bad option, mismatched shapes."""
     e, c, t, _, _ = _inputs({}, "ec")
     with pytest.raises(ValueError):
         cce.explain(e, c, t, reduction="avg")
     with pytest.raises(ValueError):
         cce.explain(e, c[:, :8], t)
-    with pytest.raises(NotImplementedError, match="vocabulary parallelism"):
-        cce.explain(e, c, t, process_group=object())
+
+
+def test_explain_vocabulary_parallel_block():
+    """With a process group: this rank's block (c) as a one-device problem with per-token
+    upstream gradients, so never the fused path (no group traffic while explaining; the plan
+    against the path the block's op takes: tests/distributed, w1_explain)."""
+    e, c, t, _, _ = _inputs({}, "ec")
+    plan = cce.explain(e, c[:30], t, impl="triton", filter_eps=None, process_group=object())
+    assert plan.backward == "exact" and plan.reasons[0].startswith("vocabulary parallelism")
+    assert "30 classes" in plan.reasons[0]

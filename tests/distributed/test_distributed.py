@@ -176,7 +176,7 @@ CACHE_COMPILE_CASES = ("cache_compile",)
 # sparse backward equals the single-device call's (the same vocabulary tiles: only the per-row
 # coefficients' rounding differs); a step traces under torch.compile(fullgraph=True) (the
 # interpreter's kernels behind the custom ops; backend aot_eager: no C++ compiler needed).
-WORLD1_CASES = ("w1_sparse_equal", "w1_autocast", "w1_compile_fullgraph")
+WORLD1_CASES = ("w1_sparse_equal", "w1_autocast", "w1_explain", "w1_compile_fullgraph")
 FSDP_CASES = ("fsdp_head_separate", "fsdp_head_vocab_parallel", "fsdp_root_only_inside_forward")
 # cce.linear_cross_entropy(..., process_group=) and a DTensor classifier through the public API
 # (run once cce.linear forwards them to cce.distributed).
@@ -527,6 +527,33 @@ def _world1_case(name, rank, world, group):
         assert rel_err(got[0], ref[0]) <= TOL_FP32, f"{name}: loss {got[0]} vs {ref[0]}"
         for a, r in zip(got[1:], ref[1:], strict=True):
             assert a.dtype == torch.float32 and rel_err(a, r) <= TOL_BF16
+    elif name == "w1_explain":
+        # cce.explain's plan for the rank's block against the path its op takes (the triton
+        # forward's threshold and tile statistics), exact and sparse
+        import cce.ops.linear_ce.triton_impl as ti
+
+        real, seen = ti.linear_ce_triton_fwd, []
+
+        def spy(*a):
+            seen.append((a[11], a[12]))
+            return real(*a)
+
+        spy.args_type = real.args_type  # (block_stats reads the op's argument names)
+        ti.linear_ce_triton_fwd = spy
+        try:
+            for eps_in in (None, 1e-3):
+                o = dict(opts, filter_eps=eps_in)
+                el, cl = leaf(e), leaf(c)
+                plan = cce.explain(
+                    el, cl, t, weight=w, tuning=cce.Tuning(backward="sparse"), process_group=group, **o
+                )
+                seen.clear()
+                fn(el, cl, t, weight=w, process_group=group, **o).backward()
+                eps, stats = seen[0]
+                assert stats == (plan.backward == "sparse") and (eps == 0) == (plan.backward == "exact"), seen
+                assert plan.backward == ("exact" if eps_in is None else "sparse"), plan
+        finally:
+            ti.linear_ce_triton_fwd = real
     elif name == "w1_compile_fullgraph":
         el, cl = leaf(e), leaf(c)
         eager = vp(el, cl, t)

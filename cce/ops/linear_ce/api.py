@@ -23,6 +23,7 @@ from ..._dispatch import (
 from ..._validation import check_linear_inputs, debug_checks_enabled, guard_targets
 from ...options import CCEOptions
 from ...outputs import assemble
+from .local import block_plan
 from .rows import flatten_rows
 
 
@@ -116,22 +117,27 @@ def explain(
         # impl='triton', backward='sparse', filter_eps=0.00391
         #   - filtered from the forward's tile statistics (the sparse backward)
 
-    Vocabulary parallelism (``process_group``, a sharded ``c``) is not explained: each rank's
-    block runs the single-device dispatch with per-token upstream gradients.
+    With vocabulary parallelism (``process_group``, a sharded ``c``) it is this rank's plan: its
+    block of classes posed as a one-device problem with per-token upstream gradients
+    (cce/ops/linear_ce/local.py); the set-up checks that need the group are not run (explaining
+    does not communicate).
     """
-    if options.get("process_group") is not None or is_dtensor(c):
-        raise NotImplementedError(
-            "explain() covers single-device calls; vocabulary parallelism is not explained"
-        )
-    options.pop("process_group", None)
+    group = options.pop("process_group", None)
     opts = CCEOptions(**options)
     e, c, bias = autocast_operands(e, c, bias)
-    check_linear_inputs(e, c, targets, bias, weight, opts)
-    D = max(e.shape[-1], 1)  # (D = 0 runs as one zero feature)
     impl = select_impl(opts.impl, e.device)
-    _, _, tgt, _ = flatten_rows(e, targets, opts.shift)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
     eps = opts.resolved_filter_eps(e.dtype)
+    D = max(e.shape[-1], 1)  # (D = 0 runs as one zero feature)
+    if group is not None or is_dtensor(c):
+        c_r = c.to_local() if is_dtensor(c) else c
+        _, _, tgt, _ = flatten_rows(e, targets, opts.shift)
+        return block_plan(
+            impl, opts.resolved_tuning, e.dtype, (tgt.numel(), c_r.shape[0], D), (need_de, need_dc, need_db),
+            opts.softcap_value, opts.label_smoothing > 0, eps, c_r.device,
+        )  # fmt: skip
+    check_linear_inputs(e, c, targets, bias, weight, opts)
+    _, _, tgt, _ = flatten_rows(e, targets, opts.shift)
     if impl == "torch":
         grads, cpu = need_de or need_dc or need_db, e.device.type == "cpu"
         smooth_cap = opts.label_smoothing > 0 and opts.softcap_value > 0

@@ -9,7 +9,7 @@ op on it (impl="triton": triton_impl.linear_ce_triton_fwd; impl="torch":
 torch_impl.linear_ce_torch_fwd), whose upstream gradients are the rank's (below), so that
 autograd runs the op's own backward: for impl="triton" the same tile statistics, vocabulary
 order and backward algorithm as one device (sparse, recomputing or exact, chosen by
-cce._dispatch.linear_backward), dE written into the forward's stash in e's dtype (no fp32
+block_plan, cce._dispatch.plan_triton), dE written into the forward's stash in e's dtype (no fp32
 gradient buffers); for impl="torch" the chunked loop and its CPU filter. Both are opaque to
 torch.compile.
 
@@ -22,10 +22,38 @@ another rank: the caller zeroes their target logit, so their beta is 0).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..._dispatch import linear_backward
+from ..._dispatch import LinearPlan, plan_torch, plan_triton
 from ...options import Tuning
+
+
+def block_plan(
+    impl: str,
+    tuning: Tuning,
+    dtype: torch.dtype,
+    shape: tuple[int, int, int],
+    grads: tuple[bool, bool, bool],
+    softcap: float,
+    smoothing: bool,
+    filter_eps: float,
+    device: torch.device,
+) -> LinearPlan:
+    """The plan of a rank's block problem (block_stats): reduction "none" (so never the fused
+    path), label smoothing 1 where the rank needs ssum, the block's classes ``shape[1]``."""
+    if impl == "triton":
+        ls = 1.0 if smoothing else 0.0
+        plan = plan_triton(
+            tuning, "none", dtype, shape, grads, softcap, ls, filter_eps, device.type == "cuda"
+        )
+    else:
+        plan = plan_torch(
+            "none", True, any(grads), filter_eps, device.type == "cpu", smoothing and softcap > 0
+        )
+    why = f"vocabulary parallelism: this rank's block of {shape[1]} classes, per-token upstream gradients"
+    return dataclasses.replace(plan, reasons=(why, *plan.reasons))
 
 
 def block_stats(
@@ -64,10 +92,10 @@ def block_stats(
     if impl == "triton":
         from .triton_impl import linear_ce_triton_fwd as op  # triton is optional: imported on use
 
-        flops = 2.0 * targets.numel() * V * c.shape[1]
-        algo = linear_backward(
-            tuning, filter_eps, need_de, need_dc, need_dbias, softcap, ls, flops, c.is_cuda, classes=V
-        )  # fmt: skip
+        shape, grads = (targets.numel(), V, c.shape[1]), (need_de, need_dc, need_dbias)
+        algo = block_plan(
+            impl, tuning, e2d.dtype, shape, grads, softcap, smoothing, filter_eps, c.device
+        ).backward
         stats = algo == "sparse"
         args = dict(
             common, filter_eps=0.0 if algo == "exact" else filter_eps, stats=stats, stash=stats and need_de,
