@@ -378,7 +378,9 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     assert (lse[:7] == 0).all() and lse[20].isnan() and lse[30].isnan() and tl_[20] == zt[20]
     if smoothing:
         ref_ss = torch.where(done, Ss.sum(0), 0.0)
-        torch.testing.assert_close(ss, ref_ss, rtol=1e-6, atol=1e-6, equal_nan=True)
+        # Either side's sum of P terms in another order: within 2 (P - 1) 2^-24 sum |terms| each.
+        bound = 2 * max(parts - 1, 1) * 2.0**-24 * Ss.abs().sum(0) + 1e-7
+        assert ((ss - ref_ss).abs() <= bound).all()
     else:
         assert ss is None
     assert merge_splits(Mx, Se, Ss, zt, None)[3] is None

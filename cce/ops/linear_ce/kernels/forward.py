@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import num_sms
+from ...._dispatch import interpreting, num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
@@ -354,7 +354,9 @@ def merge_splits(
     ss = None if Ss is None else torch.empty(N, dtype=f32, device=Mx.device)
     m0o = None if m0 is None else torch.empty(N, dtype=f32, device=Mx.device)
     if N > 0:
-        BLOCK, BLOCK_P = 64, 16
+        # (The interpreter runs programs one after another at a fixed cost per operation: there
+        # few programs of long rows.)
+        BLOCK, BLOCK_P = (1024, 4) if interpreting() else (64, 16)
         with device_context(Mx.device):
             _merge_kernel[(triton.cdiv(N, BLOCK),)](
                 Mx=Mx, Se=Se, Ss=Ss, Zt=zt, M0=m0, Lse=lse, Tl=tl_, SsOut=ss, M0Out=m0o, N=N, parts=P,
