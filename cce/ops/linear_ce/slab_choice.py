@@ -88,6 +88,7 @@ def sample_rows(
     lse_s: torch.Tensor | None = None,
     block_v: int = 1,
     softcap: float = 0.0,
+    slog: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(pos, scale): k sorted-row positions and per-position weights, on the device.
 
@@ -105,7 +106,7 @@ def sample_rows(
     if N <= k:
         return torch.arange(N, device=dev), torch.ones(N, dtype=torch.float32, device=dev)
     # Two launches (kernels/slab_rule.py): host time of a step at small N.
-    m = row_masses(code, alpha_s, STATS_STEPS, eta_s, lse_s, block_v, softcap)
+    m = row_masses(code, alpha_s, STATS_STEPS, eta_s, lse_s, block_v, softcap, slog)
     return systematic_sample(m, n_valid, k, rows=True, share=UNIFORM_SHARE)
 
 
@@ -136,6 +137,7 @@ def slab_errors(
     q: torch.Tensor | None = None,
     M: torch.Tensor | None = None,
     logit_scale: float = 1.0,
+    slog: torch.Tensor | None = None,
 ) -> SlabErrors:
     """SlabErrors for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] is what the rank-1 corrections of the skipped tiles of slab s
@@ -175,10 +177,13 @@ def slab_errors(
     ``logit_scale`` (lam, 1 / the temperature): the logits are lam (e c^T) + bias; the caller
     passes the bias and softcap scaled by lam as well (softcap_T(lam x) = lam softcap(x) with
     softcap_T = lam softcap), so that every estimate here is of the tempered logits.
+
+    ``slog`` (with ``eta_s``): the step's tile_stats.skipped_slogs, which the row sampling then
+    reads instead of solving them again.
     """
     N, nt = code.shape
     V, D = c.shape
-    pos, scale = sample_rows(code, alpha_s, n_valid, rows, eta_s, lse_s, BLOCK_V, softcap)
+    pos, scale = sample_rows(code, alpha_s, n_valid, rows, eta_s, lse_s, BLOCK_V, softcap, slog)
     k = pos.numel()
     ok = (pos < n_valid.long()).float() * scale
     vp = vperm.long()

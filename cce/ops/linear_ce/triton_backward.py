@@ -266,6 +266,9 @@ def sparse_backward(
     # rank's block, docs/benchmarks.md): each class's sorted position (vpos, above), the
     # mean-row spread of the dC corrections, and the tiles' skipped masses summed over the rows.
     q = mean_row_spread(vscore_t, nt, BV) if need_dc else None
+    # The entropy's term of the skipped tiles' corrections, S_ij (zbar_ij - lse_i + log BV), once
+    # per step (read by the dense-slab rule's row sampling, _dc_inputs and the dE writer).
+    slog = None if eta_s is None else skipped_slogs(code, lse_s, cap_t, BV)
     masses = None
     if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1 or dc_rule):
         errors = cost = None
@@ -282,7 +285,7 @@ def sparse_backward(
             errors = slab_errors(
                 e2d, c, bias_t, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, cap_t,
                 BN, BV, tps * BV, cm=cm, vscore=vscore_t if dc_rule else None, coef_t=coef, eta_s=eta_s,
-                vpos=vpos, q=q, M=masses, logit_scale=lam,
+                vpos=vpos, q=q, M=masses, logit_scale=lam, slog=slog,
             )  # fmt: skip
         dense, flag = dense_slab_flags(
             code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc
@@ -300,9 +303,6 @@ def sparse_backward(
     if smooth:
         w = weight.float() if weight is not None else torch.ones(V, dtype=f32, device=dev)
     list_e = cnt_e = wc = None
-    # The entropy's term of the skipped tiles' corrections, S_ij (zbar_ij - lse_i + log BV), once
-    # per step (read by _dc_inputs and the dE writer).
-    slog = None if eta_s is None else skipped_slogs(code, lse_s, cap_t, BV)
     dc_in = (None,) * 9
     if need_de:
         list_e, cnt_e = compact_lists(keep)

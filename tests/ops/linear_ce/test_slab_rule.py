@@ -170,3 +170,34 @@ def test_systematic_sample_against_float64(rows, M, k, nv):
         torch.testing.assert_close(wt.double(), want, rtol=1e-5, atol=0)
         if rows and nv < M:
             assert int(pos.max()) < nv
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_row_masses_read_the_steps_slogs(softcap):
+    """slab_rule.row_masses with the entropy's coefficient: reading the step's skipped_slogs
+    (tile_stats) gives what solving them in the kernel gives (the same fp32 expression), and
+    both equal sum_j |(alpha_i + eta_i (lse_i - log BV)) S_ij + eta_i slog_ij| in float64 from the
+    decoded masses, rows of all-255 codes (no skipped mass) and partial row / tile blocks
+    included."""
+    import math
+
+    from cce.ops.linear_ce.kernels.slab_rule import row_masses
+    from cce.ops.linear_ce.kernels.tile_stats import STATS_STEPS, decode_tile_mass, skipped_slogs
+
+    g = torch.Generator().manual_seed(7)
+    N, nt, BV = 45, 150, 256
+    code = torch.randint(0, 256, (N, nt), generator=g, dtype=torch.int32).to(torch.uint8)
+    code[3] = 255
+    alpha = torch.randn(N, generator=g)
+    eta = torch.randn(N, generator=g)
+    lse = 5 + 3 * torch.rand(N, generator=g)
+    args = [x.to(DEV) for x in (code, alpha, eta, lse)]
+    slog = skipped_slogs(args[0], args[3], softcap, BV)
+    solved = row_masses(args[0], args[1], STATS_STEPS, args[2], args[3], BV, softcap)
+    read = row_masses(args[0], args[1], STATS_STEPS, args[2], args[3], BV, softcap, slog)
+    torch.testing.assert_close(read, solved, rtol=2e-6, atol=0)
+    S = decode_tile_mass(code).double()
+    a = (alpha.double() + eta.double() * (lse.double() - math.log(BV)))[:, None]
+    want = (a * S + eta.double()[:, None] * slog.cpu().double()).abs().sum(1)
+    torch.testing.assert_close(read.cpu().double(), want, rtol=1e-5, atol=1e-6)
+    assert float(read[3]) == 0.0

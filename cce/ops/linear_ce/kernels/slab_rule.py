@@ -273,18 +273,21 @@ def skipped_coef(
 
 
 @cached_launch
-@triton.heuristics({"HAS_ETA": lambda a: a["Eta"] is not None})
+@triton.heuristics({"HAS_ETA": lambda a: a["Eta"] is not None, "HAS_SLOG": lambda a: a["Slog"] is not None})
 @triton.jit
 def _row_mass_kernel(
     Code,  # [N, nt] uint8: encode_tile_stats' codes (255: no mass)
     Alpha,  # [N] fp32
     Eta, Lse,  # [N] fp32 the entropy's coefficient and the rows' lse, or None
+    Slog,  # [N, nt] fp32 tile_stats.skipped_slogs of the codes (with Eta), or None: solved here
     Out,  # [N] fp32: sum_j |a_ij S'_ij|
     N, nt, stride_code, softcap, STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_ETA: tl.constexpr, HAS_SLOG: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     """Out[i] = sum_j |a_ij S'_ij|, the row's decoded skipped masses (tile_stats.decode_tile_mass)
-    times their corrections' coefficients (skipped_coef; |alpha_i| sum_j S'_ij without eta)."""
+    times their corrections' coefficients (skipped_coef; |alpha_i| sum_j S'_ij without eta). With
+    Slog the entropy's term reads the step's skipped_slog values instead of solving them again
+    (with softcap the solve is most of this kernel's time)."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < N
     a = tl.load(Alpha + offs_r, mask=rmask, other=0.0)
@@ -302,7 +305,13 @@ def _row_mass_kernel(
             Code + offs_r.to(tl.int64)[:, None] * stride_code + offs_t[None, :], mask=m, other=255
         ).to(tl.float32)
         S = tl.where(x < 255.0, tl.exp(-x / STEPS), 0.0)
-        if HAS_ETA:
+        if HAS_SLOG:
+            sl = tl.load(
+                Slog + offs_r.to(tl.int64)[:, None] * nt + offs_t[None, :], mask=m, other=0.0
+            )  # [BLOCK_R, BLOCK_T]
+            a_s = (a + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32))))[:, None] * S
+            acc += tl.abs(a_s + eta[:, None] * sl)
+        elif HAS_ETA:
             acc += tl.abs(
                 skipped_coef(
                     S, a[:, None], eta[:, None], lse[:, None], softcap, BLOCK_V, HAS_ETA, HAS_SOFTCAP
@@ -324,12 +333,15 @@ def row_masses(
     lse: torch.Tensor | None = None,
     block_v: int = 1,
     softcap: float = 0.0,
+    slog: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 [N]: |alpha_i| sum_j S'_ij, the decoded skipped masses (``steps`` per nat of the
     codes, tile_stats.STATS_STEPS) of each row of ``code`` [N, nt] times |alpha|; with ``eta``
     (and the rows' ``lse``, tiles of ``block_v`` classes, the ``softcap``) sum_j |a_ij S'_ij|
-    (skipped_coef);
-    one launch."""
+    (skipped_coef), its skipped_slog values read from ``slog`` (contiguous fp32 [N, nt],
+    tile_stats.skipped_slogs) where given; one launch."""
+    if slog is not None and (eta is None or not slog.is_contiguous() or slog.shape != code.shape):
+        raise ValueError("slog must be a contiguous [N, n_tiles] tensor, given with eta")
     N, nt = code.shape
     out = torch.empty(N, dtype=torch.float32, device=code.device)
     if N == 0:
@@ -337,9 +349,9 @@ def row_masses(
     BR, BT = (16, 16) if interpreting() else (32, 128)
     with device_context(code.device):
         _row_mass_kernel[(triton.cdiv(N, BR),)](
-            Code=code, Alpha=alpha, Eta=eta, Lse=lse, Out=out, N=N, nt=nt, stride_code=code.stride(0),
-            softcap=float(softcap), STEPS=steps, BLOCK_R=BR, BLOCK_T=BT, BLOCK_V=block_v,
-            HAS_SOFTCAP=softcap > 0,
+            Code=code, Alpha=alpha, Eta=eta, Lse=lse, Slog=slog, Out=out, N=N, nt=nt,
+            stride_code=code.stride(0), softcap=float(softcap), STEPS=steps, BLOCK_R=BR, BLOCK_T=BT,
+            BLOCK_V=block_v, HAS_SOFTCAP=softcap > 0,
         )  # fmt: skip
     return out
 
