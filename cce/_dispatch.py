@@ -290,13 +290,16 @@ class LinearPlan:
     "fused", "exact", "sparse" or "recompute", linear_backward; impl="torch": "chunked-forward",
     the gradients formed by the forward's chunks, or "chunked", recomputed in the backward), the
     threshold the backward filters with (0: exact), the fused path's row chunks (0 off it) and
-    the rules that chose them, in words."""
+    the rules that chose them, in words; with the sparse backward also ``slabs``, its host-side
+    plan of dense slabs and first-order terms (cce/ops/linear_ce/slab_choice.SlabPlan, whose
+    reasons are among ``reasons``), else None."""
 
     impl: str
     backward: str
     filter_eps: float
     chunks: int
     reasons: tuple[str, ...]
+    slabs: Any = None
 
     def __str__(self) -> str:
         head = f"impl={self.impl!r}, backward={self.backward!r}, filter_eps={self.filter_eps:.3g}"

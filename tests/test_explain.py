@@ -124,3 +124,59 @@ def test_explain_vocabulary_parallel_block():
     plan = cce.explain(e, c[:30], t, impl="triton", filter_eps=None, process_group=object())
     assert plan.backward == "exact" and plan.reasons[0].startswith("vocabulary parallelism")
     assert "30 classes" in plan.reasons[0]
+
+
+# (tuning, which inputs require a gradient, rows): every part of the sparse backward's slab plan
+# (the first-order terms a candidate in the first four; 4 rows: their cost above the one slab's).
+SLAB_CASES = [
+    ({}, "ec", 16),
+    ({}, "e", 16),
+    ({"dense_slab_bytes": 1}, "ec", 16),
+    ({"slab_error": 1.0}, "c", 16),
+    ({}, "ec", 4),
+    ({"dense_slab_bytes": 1, "first_order": False}, "ec", 16),
+    ({"slab_error": 1.0, "slab_error_dc": 1.0}, "ec", 16),
+    ({"dense_slabs": False}, "ec", 16),
+    ({"dense_kept": 2.0, "slab_error": 1.0, "slab_error_dc": 1.0}, "ec", 16),
+]
+
+
+@pytest.mark.parametrize("tuning,grads,rows", SLAB_CASES)
+def test_explain_slab_plan_is_the_sparse_backwards(tuning, grads, rows, monkeypatch):
+    """The sparse backward's host-side plan (dense slabs' width, which parts of the rule run,
+    the first-order terms' candidacy) that cce.explain shows is the one the backward then runs
+    with: the rule's inputs it passes (slab width, first-order cost, dC's estimates) and whether
+    it measures the corrections' errors at all."""
+    import cce.ops.linear_ce.triton_backward as tb
+
+    seen = {}
+    flags, errors = tb.dense_slab_flags, tb.slab_errors
+
+    def spy_flags(code, keep, n_valid, BN, tps, kept, err, errs, cost, **kw):
+        seen["flags"] = (tps, cost, errs is not None)
+        return flags(code, keep, n_valid, BN, tps, kept, err, errs, cost, **kw)
+
+    def spy_errors(*a, **kw):
+        seen["dc"] = kw["vscore"] is not None
+        return errors(*a, **kw)
+
+    monkeypatch.setattr(tb, "dense_slab_flags", spy_flags)
+    monkeypatch.setattr(tb, "slab_errors", spy_errors)
+    g = torch.Generator().manual_seed(5)
+    e, c, t, _ = make_linear_inputs((2, rows // 2), 16, 100, torch.float32, generator=g)
+    e.requires_grad_("e" in grads)
+    c.requires_grad_("c" in grads)
+    kw = dict(impl="triton", filter_eps=0.01, tuning=cce.Tuning(**tuning))
+    plan = cce.explain(e, c, t, **kw)
+    assert plan.backward == "sparse" and plan.slabs is not None
+    sp = plan.slabs
+    assert set(sp.reasons) <= set(plan.reasons) and len(sp.reasons) == (2 if sp.rule else 1)
+    cce.linear_cross_entropy_with_options(e, c, t, None, None, cce.CCEOptions(**kw)).backward()
+    if not sp.rule:
+        assert seen == {}
+        return
+    assert seen["flags"] == (sp.tiles_per_slab, sp.first_order_cost, sp.measured)
+    assert seen.get("dc", False) == sp.dc_rule and (not sp.dc_rule or sp.measured)
+    assert sp.dc_rule == ("c" in grads and tuning.get("slab_error_dc", 0.0) < 1)
+    idx = SLAB_CASES.index((tuning, grads, rows))
+    assert (sp.first_order_cost is not None) == (idx < 4)

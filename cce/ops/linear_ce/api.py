@@ -142,10 +142,14 @@ def explain(
         grads, cpu = need_de or need_dc or need_db, e.device.type == "cpu"
         smooth_cap = opts.label_smoothing > 0 and opts.softcap_value > 0
         return plan_torch(opts.reduction, opts.differentiable_outputs, grads, eps, cpu, smooth_cap)
-    return plan_triton(
-        opts.resolved_tuning, opts.reduction, e.dtype, (tgt.numel(), c.shape[0], D),
-        (need_de, need_dc, need_db), opts.softcap_value, float(opts.label_smoothing), eps, c.is_cuda,
+    from .triton_backward import with_slab_plan  # triton is optional: imported on use
+
+    shape = (tgt.numel(), c.shape[0], D)
+    plan = plan_triton(
+        opts.resolved_tuning, opts.reduction, e.dtype, shape, (need_de, need_dc, need_db),
+        opts.softcap_value, float(opts.label_smoothing), eps, c.is_cuda,
     )  # fmt: skip
+    return with_slab_plan(plan, opts.resolved_tuning, e.dtype, shape, need_dc)
 
 
 def linear_cross_entropy(

@@ -44,10 +44,13 @@ def block_plan(
     """The plan of a rank's block problem (block_stats): reduction "none" (so never the fused
     path), label smoothing 1 where the rank needs ssum, the block's classes ``shape[1]``."""
     if impl == "triton":
+        from .triton_backward import with_slab_plan  # triton is optional: imported on use
+
         ls = 1.0 if smoothing else 0.0
         plan = plan_triton(
             tuning, "none", dtype, shape, grads, softcap, ls, filter_eps, device.type == "cuda"
         )
+        plan = with_slab_plan(plan, tuning, dtype, shape, grads[1])
     else:
         plan = plan_torch(
             "none", True, any(grads), filter_eps, device.type == "cpu", smoothing and softcap > 0

@@ -21,14 +21,16 @@ softmax, about one token block's share of one matmul pass.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from .kernels.common import de_norm_sq, inverse_permutation, mm_f32
+from .kernels.common import de_norm_sq, inverse_permutation, mm_f32, slab_tiles, stats_blocks
 from .kernels.dense_slabs import slab_products
 from .kernels.dz import class_sample_dz
+from .kernels.first_order import first_order_cost
 from .kernels.slab_rule import (
     RULE_KERNEL_SLABS,
     dc_tile_errors,
@@ -56,6 +58,79 @@ NORM_HEAD = 1024
 NORM_TAIL = 512
 # Bytes of dc_norm_estimate's fp32 logits per row chunk.
 _NORM_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class SlabPlan:
+    """What the sparse backward decides on the host about dense slabs and first-order terms,
+    from shapes and options alone (slab_plan; sparse_backward reads it, cce.explain shows it):
+    the slabs' width, and which parts of the device's rule run. Which slabs end up dense, and
+    whether the first-order terms apply, the device decides from the data (dense_slab_flags).
+
+    tiles_per_slab: vocabulary tiles (of the statistics' BLOCK_V classes) per dense slab.
+    rule: the dense-slab rule runs (dense_slab_flags).
+    measured: its error estimates from sampled rows run (slab_errors).
+    dc_rule: dC's part of those estimates (dC asked for and slab_error_dc < 1).
+    first_order_cost: the first-order terms' cost in dense slabs where the rule may apply them
+        (below the slab count), else None.
+    reasons: the above in words.
+    """
+
+    tiles_per_slab: int
+    rule: bool
+    measured: bool
+    dc_rule: bool
+    first_order_cost: float | None
+    reasons: tuple[str, ...]
+
+
+def slab_plan(
+    N: int,
+    V: int,
+    D: int,
+    dtype: torch.dtype,
+    need_dc: bool,
+    dense_slabs: bool,
+    dense_kept: float,
+    slab_error: float,
+    slab_error_dc: float,
+    dense_slab_bytes: int,
+    first_order: bool,
+) -> SlabPlan:
+    """The SlabPlan of a sparse backward over N rows, V classes, D features of kernel operands
+    in ``dtype`` (float64 runs in float32), with Tuning's dense-slab options (1 or more turns a
+    rule off)."""
+    kdtype = torch.float32 if dtype == torch.float64 else dtype
+    _, BV = stats_blocks(kdtype)
+    nt = -(-V // BV)
+    tps = slab_tiles(N, nt, BV, kdtype.itemsize, dense_slab_bytes)
+    n_slabs = -(-nt // tps)
+    dc_rule = need_dc and slab_error_dc < 1
+    measured = slab_error < 1 or dc_rule
+    rule = dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or measured)
+    cost = first_order_cost(N, V, D, tps * BV) if rule and measured and first_order else None
+    fo = cost is not None and cost < n_slabs
+    if not rule:
+        why = "Tuning(dense_slabs=False)" if not dense_slabs else "no rule on (every threshold is 1 or more)"
+        return SlabPlan(tps, False, False, dc_rule, None, (f"no dense slabs: {why}",))
+    parts = [f"at least {dense_kept:g} of its tiles kept"] if dense_kept <= 1 else []
+    if measured:
+        bound = [f"{slab_error:g} in dE"] if slab_error < 1 else []
+        bound += [f"{slab_error_dc:g} in dC"] if dc_rule else []
+        parts.append(f"corrections erring more than {' / '.join(bound)} ({ERROR_ROWS} sampled rows)")
+    reasons = [
+        f"dense slabs: {n_slabs} slab(s) of {tps} tile(s) ({tps * BV} classes), each made dense on the "
+        "device where it has " + " or ".join(parts)
+    ]
+    if fo:
+        reasons.append(f"first-order terms a candidate: their cost, {cost:.2g} slab(s), is below {n_slabs}")
+    elif cost is not None:
+        reasons.append(f"no first-order terms: their cost, {cost:.2g} slab(s), is not below {n_slabs}")
+    elif measured:
+        reasons.append("no first-order terms: Tuning(first_order=False)")
+    else:
+        reasons.append("no first-order terms: they need the corrections' measured errors")
+    return SlabPlan(tps, True, measured, dc_rule, cost if fo else None, tuple(reasons))
 
 
 class SlabErrors(NamedTuple):

@@ -9,23 +9,41 @@ cce/ops/linear_ce/local.py.) docs/design.md has the error bounds.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import torch
 
 from ... import _math
+from ..._dispatch import LinearPlan
 from ...options import DEFAULT_TUNING as _T
+from ...options import Tuning
 from .host_peek import HostPeek
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.backward_recompute import linear_ce_backward_recompute
-from .kernels.common import compact_lists, inverse_permutation, slab_tiles, stats_blocks, tile_sizes
-from .kernels.first_order import FirstOrder, first_order_cost, gram, normalized
+from .kernels.common import compact_lists, inverse_permutation, stats_blocks, tile_sizes
+from .kernels.first_order import FirstOrder, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, skipped_slogs, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
-from .slab_choice import dense_slab_flags, mean_row_spread, slab_errors, tile_masses
+from .slab_choice import dense_slab_flags, mean_row_spread, slab_errors, slab_plan, tile_masses
+
+
+def with_slab_plan(plan: LinearPlan, tuning: Tuning, dtype: torch.dtype, shape: tuple[int, int, int],
+                   need_dc: bool) -> LinearPlan:  # fmt: skip
+    """``plan`` (_dispatch.plan_triton's) with the sparse backward's SlabPlan for ``shape`` = (N, V,
+    D) where its backward is "sparse" (the one sparse_backward then makes from the same options),
+    unchanged otherwise."""
+    if plan.backward != "sparse":
+        return plan
+    N, V, D = shape
+    sp = slab_plan(
+        N, V, D, dtype, need_dc, tuning.dense_slabs, tuning.dense_kept, tuning.slab_error,
+        tuning.slab_error_dc, tuning.dense_slab_bytes, tuning.first_order,
+    )  # fmt: skip
+    return dataclasses.replace(plan, slabs=sp, reasons=(*plan.reasons, *sp.reasons))
 
 
 def coefficient_backward(
@@ -259,9 +277,12 @@ def sparse_backward(
         coef = coef * (1.0 - (zt_s / cap_t) ** 2)
     coef = torch.where(valid_s, coef, 0.0)
     keep = keep.bool()
-    tps = slab_tiles(N, nt, BV, e2d.element_size(), dense_slab_bytes)
+    sp = slab_plan(
+        N, V, D, e2d.dtype, need_dc, dense_slabs, dense_kept, slab_error, slab_error_dc, dense_slab_bytes,
+        first_order,
+    )  # fmt: skip
+    tps = sp.tiles_per_slab
     dense = live = fo = cm = decided = None
-    dc_rule = need_dc and slab_error_dc < 1
     # Read by several of the step's parts, made once (host time of a step at small N or on one
     # rank's block, docs/benchmarks.md): each class's sorted position (vpos, above), the
     # mean-row spread of the dC corrections, and the tiles' skipped masses summed over the rows.
@@ -270,26 +291,25 @@ def sparse_backward(
     # per step (read by the dense-slab rule's row sampling, _dc_inputs and the dE writer).
     slog = None if eta_s is None else skipped_slogs(code, lse_s, cap_t, BV)
     masses = None
-    if dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or slab_error < 1 or dc_rule):
-        errors = cost = None
-        if slab_error < 1 or dc_rule:
-            fo_cost = first_order_cost(N, V, D, tps * BV)
-            if first_order and fo_cost < -(-nt // tps):
+    if sp.rule:
+        errors = None
+        if sp.measured:
+            if sp.first_order_cost is not None:
                 # (At a cost of the slab count or more the rule never turns the terms on: their
-                # operands, D x D buffers, and gated launches are then left out.)
+                # operands, D x D buffers, and gated launches are then left out: slab_plan.)
                 cm = tile_means(c, vperm, BV, f32)
-                cost = fo_cost
                 if need_dc:
                     masses = tile_masses(code)
             # (dC's estimates only where dC is wanted.)
             errors = slab_errors(
                 e2d, c, bias_t, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, cap_t,
-                BN, BV, tps * BV, cm=cm, vscore=vscore_t if dc_rule else None, coef_t=coef, eta_s=eta_s,
+                BN, BV, tps * BV, cm=cm, vscore=vscore_t if sp.dc_rule else None, coef_t=coef, eta_s=eta_s,
                 vpos=vpos, q=q, M=masses, logit_scale=lam, slog=slog,
             )  # fmt: skip
         dense, flag = dense_slab_flags(
-            code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, cost, slab_error_dc=slab_error_dc
-        )
+            code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, sp.first_order_cost,
+            slab_error_dc=slab_error_dc,
+        )  # fmt: skip
         del errors
         # The decisions on their way to the host: the launches they gate off are not issued
         # where they have arrived in time (host_peek.py; the same gradients either way).
