@@ -34,8 +34,12 @@ install: $(VENV)/.installed
 
 # The default tier: every public option, error path, Triton kernel (in the interpreter) and
 # integration at the smallest shapes that exercise them; hypothesis derandomized, few examples.
+# Test files are the unit of work of the xdist workers (--dist loadfile): the gloo groups of
+# tests/distributed run once per file's worker. (--dist loadgroup's xdist_group marks do not
+# group tests under pytest 9.2 with pytest-xdist 3.8: every worker that reached a group's tests
+# then waited for the group on another.)
 test: install
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not gpu and not slow" $(PYTEST_ARGS) tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not slow" $(PYTEST_ARGS) tests
 
 # The thorough tier: the default tier plus the `slow` tests, hypothesis randomized with the full
 # example counts. Run it before a kernel change lands.

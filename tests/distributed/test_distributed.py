@@ -887,8 +887,9 @@ def _shared_group(world: int, tmp_path_factory) -> dict[str, list[str]]:
 
 # Each group's processes run once per test run (_shared_group); the fixtures are session-scoped,
 # as a worker may run other modules' tests between a group's (a module-scoped fixture would then
-# be torn down and the group started again). The xdist_group marks keep a group's tests on one
-# worker where the scheduler can.
+# be torn down and the group started again). `make test` sends this file's tests to one worker
+# (--dist loadfile); the xdist_group marks do the same under --dist loadgroup where the installed
+# pytest-xdist can group tests.
 @pytest.fixture(
     scope="session",
     params=[
