@@ -42,6 +42,12 @@ AUTO_FILTER_EPS = {
     torch.float32: 2.0**-20,
     torch.float64: 0.0,
 }
+# impl="torch" (whose filter runs on CPU tensors) filters 16-bit inputs with fp32's threshold: it
+# computes in fp32, and it has no measured dense-slab rule (the Triton sparse backward's), so
+# the rank-1 corrections stand alone. With bf16's threshold they erred by 6.2e-2 in dE on
+# near-uniform logits, where every tile falls below it (CPU, bf16, N = 2048, D = 256,
+# V = 32000; exact: 3e-7 against the fp64 reference's gradients rounded to bf16).
+TORCH_IMPL_16BIT_EPS = AUTO_FILTER_EPS[torch.float32]
 
 
 def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -254,11 +260,14 @@ class CCEOptions:
             if not (0.0 <= eps < 1.0):
                 raise ValueError(f"filter_eps must be in [0, 1) (or 'auto' / None), got {eps!r}")
 
-    def resolved_filter_eps(self, dtype: torch.dtype) -> float:
-        """The probability threshold below which a softmax tile's gradient is filtered (0 = exact)."""
+    def resolved_filter_eps(self, dtype: torch.dtype, impl: str = "triton") -> float:
+        """The probability threshold below which a softmax tile's gradient is filtered (0 = exact)
+        for inputs of ``dtype`` under ``impl`` ("triton" or "torch", as chosen)."""
         if self.filter_eps is None:
             return 0.0
         if self.filter_eps == "auto":
+            if impl == "torch" and dtype in (torch.bfloat16, torch.float16):
+                return TORCH_IMPL_16BIT_EPS
             return AUTO_FILTER_EPS.get(dtype, 0.0)
         return float(self.filter_eps)
 

@@ -132,7 +132,7 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     softcap, temperature, eps = (
         opts.softcap_value,
         float(opts.temperature),
-        opts.resolved_filter_eps(e2d.dtype),
+        opts.resolved_filter_eps(e2d.dtype, impl),
     )
     # Replicated tokens: dE is summed over the ranks (SumGrad, in e's dtype). Sharded tokens: the
     # all-gather of the tokens reduce-scatters it.

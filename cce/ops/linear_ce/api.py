@@ -66,7 +66,7 @@ def _linear_cross_entropy(e, c, targets, bias, weight, opts: CCEOptions, check_o
     if bad is not None:  # over the problem's rows, as tgt
         bad = (bad[..., 1:] if opts.shift else bad).reshape(-1)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
-    eps = opts.resolved_filter_eps(e.dtype)
+    eps = opts.resolved_filter_eps(e.dtype, impl)
     args = (
         e2d, c, bias, weight, rows, tgt, opts.ignore_index, opts.reduction, opts.softcap_value,
         float(opts.label_smoothing), float(opts.z_loss), eps,
@@ -127,7 +127,7 @@ def explain(
     e, c, bias = autocast_operands(e, c, bias)
     impl = select_impl(opts.impl, e.device)
     need_de, need_dc, need_db = needs_grad(e), needs_grad(c), needs_grad(bias)
-    eps = opts.resolved_filter_eps(e.dtype)
+    eps = opts.resolved_filter_eps(e.dtype, impl)
     D = max(e.shape[-1], 1)  # (D = 0 runs as one zero feature)
     if group is not None or is_dtensor(c):
         c_r = c.to_local() if is_dtensor(c) else c

@@ -194,7 +194,9 @@ def check_against_oracle(e, c, t, b, *, weight=None, seed=0, fn=None, **opts):
         assert bool((lerr <= budget["lse"]).all()), f"lse error {lerr.max().item():.3g}"
 
     # Gradients.
-    eps = CCEOptions(filter_eps=opts.get("filter_eps", "auto")).resolved_filter_eps(dtype)
+    eps = CCEOptions(filter_eps=opts.get("filter_eps", "auto")).resolved_filter_eps(
+        dtype, opts.get("impl", IMPL)
+    )
     fb = filter_error_bounds(e, c, t, b, up_loss, up_lse, eps, weight=weight, **opts)
     for name, x in (("e", e), ("c", c), ("bias", b)):
         if x is None:
@@ -768,7 +770,7 @@ def test_rank1_correction_exact_on_constant_tail(dtype, eps, variant):
     (see _constant_tail_problem), so the filtered result must match the oracle to rounding
     accuracy (tolerance of check_against_oracle with a zero filter bound), while dropping the
     skipped tiles would err by far more (asserted as a precondition)."""
-    eps_v = CCEOptions(filter_eps=eps).resolved_filter_eps(dtype)
+    eps_v = CCEOptions(filter_eps=eps).resolved_filter_eps(dtype, IMPL)
     e, c, t = _constant_tail_problem(dtype, p_rare=eps_v / 2)
     opts = {
         "mean": dict(reduction="mean"),
