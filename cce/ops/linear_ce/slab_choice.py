@@ -111,7 +111,13 @@ def slab_plan(
     cost = first_order_cost(N, V, D, tps * BV) if rule and measured and first_order else None
     fo = cost is not None and cost < n_slabs
     if not rule:
-        why = "Tuning(dense_slabs=False)" if not dense_slabs else "no rule on (every threshold is 1 or more)"
+        why = (
+            "Tuning(dense_slabs=False)"
+            if not dense_slabs
+            else "no rows or classes"
+            if N == 0 or nt == 0
+            else "no rule on (every threshold is 1 or more)"
+        )
         return SlabPlan(tps, False, False, dc_rule, None, (f"no dense slabs: {why}",))
     parts = [f"at least {dense_kept:g} of its tiles kept"] if dense_kept <= 1 else []
     if measured:
