@@ -225,8 +225,8 @@ def _sparse_de_kernel(
     N_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dE[sorted rows of token block blk0 + program_id(0), one D chunk], written once in dE's
-    dtype at the sorted rows (the caller moves them to e2d's rows):
+    """dE[sorted rows of one token block from blk0 on, one D chunk], written once in dE's dtype
+    at the sorted rows (the caller moves them to e2d's rows):
 
     sum over the block's kept tiles of dZ_tile @ C_tile (the first N_SLOTS from the scratch
     slots of _kept_dz_block_kernel, block slot_blk0's first, the others recomputed)
@@ -242,9 +242,15 @@ def _sparse_de_kernel(
     sum_j (a_ij + eta_i) S_ij instead of alpha_i S_i (first_order.py).
 
     Code row 0 is sorted row code_row0. Rows from n_valid on are not written.
+
+    One program per (token block, D chunk), a block's D chunks at consecutive program ids: the
+    chunks of one block read the same codes, entropy terms, kept tiles and rows of E, which then
+    come from L2 rather than HBM (with the D chunks outermost, the programs in flight cover
+    different blocks and each chunk reads the [N, n_tiles] codes again).
     """
-    pid_n = blk0 + tl.program_id(0)
-    pid_d = tl.program_id(1)
+    n_dchunks = tl.cdiv(D, BLOCK_DO)
+    pid_n = blk0 + tl.program_id(0) // n_dchunks
+    pid_d = tl.program_id(0) % n_dchunks
     n_valid = tl.load(NValid)
     start = pid_n * BLOCK_N
     if start >= n_valid:
@@ -274,9 +280,21 @@ def _sparse_de_kernel(
     # softcap'; code 255, kept tiles included: 0), against the tile mean of C. Masses <= 1, so
     # the operand dtype holds them.
     corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
-    corr_h = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
     ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    shsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_ETA:
+        # The entropy's term eta p z over a skipped tile, with the tile's p-weighted mean logit
+        # zbar_ij = lse + log(S_ij / BLOCK_V) (to first order in the tile's logit spread, the
+        # model of first_order.py; with softcap, S / softcap'(zbar): common.skipped_slog): the
+        # tile's coefficient is a_ij = alpha_i + eta_i zbar_ij = a0_i + eta_i slog_ij / S_ij,
+        # a0_i = alpha_i + eta_i (lse_i - log BLOCK_V). The product's operand is a_ij S_ij / r_i,
+        # formed in fp32 and rounded once, r_i = |a0_i| + |eta_i| (then |a_ij S_ij / r_i| <=
+        # S_ij + |slog_ij|: within fp16's range whatever the upstream gradient's scale).
+        a0 = alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))
+        r = tl.abs(a0) + tl.abs(eta)
+        inv_r = 1.0 / tl.maximum(r, 1e-30)  # (|a0_i| / max(r_i, 1e-30) <= 1: 0 on r_i = 0)
+        a0r = a0 * inv_r
+        etar = eta * inv_r
+        wsum = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_j a_ij S_ij / r_i
     for j0 in range(0, n_vtiles, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
         jm = offs_j < n_vtiles
@@ -292,29 +310,25 @@ def _sparse_de_kernel(
             Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
             mask=jm[:, None] & dmask[None, :], other=0.0,
         )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
-        corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
         if HAS_ETA:
-            # S (zbar - lse + log BLOCK_V) (common.skipped_slog, formed once per step in Slog:
-            # with softcap its Newton steps per D chunk cost more than the products): S times a
-            # logit difference, held by the operand dtype as S is.
+            # slog_ij = S (zbar - lse + log BLOCK_V) (common.skipped_slog, formed once per step
+            # in Slog: with softcap its Newton steps per D chunk cost more than the products).
             slog = tl.load(
                 Slog + offs_n.to(tl.int64)[:, None] * n_vtiles + offs_j[None, :],
                 mask=row_mask[:, None] & jm[None, :], other=0.0,
             )  # fmt: skip
             if HAS_DENSE:
                 slog = tl.where(dn[None, :] == 0, slog, 0.0)
-            corr_h = tl.dot(slog.to(Cm.dtype.element_ty), cm, corr_h, input_precision=PRECISION)
-            shsum += tl.sum(slog, axis=1)
+            w = a0r[:, None] * S + etar[:, None] * slog  # [BLOCK_N, BLOCK_J]: a_ij S_ij / r_i
+            corr = tl.dot(w.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
+            wsum += tl.sum(w, axis=1)
+        else:
+            corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
         ssum += tl.sum(S, axis=1)
     if HAS_ETA:
-        # The entropy's term eta p z over a skipped tile, with the tile's p-weighted mean logit
-        # zbar_ij = lse + log(S_ij / BLOCK_V) (to first order in the tile's logit spread, the
-        # model of first_order.py; with softcap, S / softcap'(zbar): common.skipped_slog): the
-        # tile's coefficient is a_ij = alpha_i + eta_i (lse_i - log BLOCK_V) + eta_i slog_ij / S_ij.
-        a0 = alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))
-        acc += a0[:, None] * corr + eta[:, None] * corr_h
+        acc += r[:, None] * corr
         # The first-order term's coefficient: sum_j (a_ij + eta_i) S_ij (first_order.py).
-        fsum = a0 * ssum + eta * (shsum + ssum)
+        fsum = r * wsum + eta * ssum
     else:
         acc += alpha[:, None] * corr
         fsum = alpha * ssum
@@ -386,9 +400,13 @@ def _sparse_dc_kernel(
 
     Tiles of a dense slab (Dense, per slab of tiles_per_slab tiles, or None) are written by
     dense_slabs._slab_grads_kernel instead.
+
+    One program per (vocabulary tile, D chunk), a tile's D chunks at consecutive program ids (they
+    recompute the same kept tiles from the same rows of E and C, then read from L2).
     """
-    pid_v = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    n_dchunks = tl.cdiv(D, BLOCK_DO)
+    pid_v = tl.program_id(0) // n_dchunks
+    pid_d = tl.program_id(0) % n_dchunks
     if HAS_DENSE:
         if tl.load(Dense + pid_v // tiles_per_slab) != 0:
             return
@@ -636,7 +654,7 @@ def linear_ce_backward_sparse(
         fo_flag = plan.fo.flag if plan.fo is not None else None if pending is None else pending.flag
         if V > 0:
             with ctx:
-                _sparse_dc_kernel[(n_vtiles, triton.cdiv(D, BDO_C))](
+                _sparse_dc_kernel[(n_vtiles * triton.cdiv(D, BDO_C),)](
                     W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
                     TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
                     Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense,
@@ -697,7 +715,7 @@ def linear_ce_backward_sparse(
                     sl = sl.clone() if slots_in_stash else sl
                     sl_scale = slot_scale[sl_blk0 * S :] if scale_dz else slot_scale
                 with ctx:
-                    _sparse_de_kernel[(triton.cdiv(b - a, BN), triton.cdiv(D, BDO_E))](
+                    _sparse_de_kernel[(triton.cdiv(b - a, BN) * triton.cdiv(D, BDO_E),)](
                         Slog=plan.slog, Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e,
                         CntE=plan.cnt_e,
                         Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale,
