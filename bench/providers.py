@@ -152,6 +152,12 @@ def _liger_flce():
     return lambda e, c, t: mod(c, e, t)
 
 
+def _quack():
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    return chunked_linear_cross_entropy
+
+
 def _torch_ce(x, t):
     return F.cross_entropy(x.float(), t)
 
@@ -190,8 +196,11 @@ def all_providers() -> list[Provider]:
           package="cut-cross-entropy", needs_cuda=True),
         P("apple-cce-compile", LINEAR, _apple("torch_compile"), "cut_cross_entropy, impl='torch_compile'",
           package="cut-cross-entropy", needs_cuda=True),
-        P("liger-flce", LINEAR, _liger_flce, "LigerFusedLinearCrossEntropyLoss", package="liger-kernel",
+        P("liger-flce", LINEAR, _liger_flce, "LigerFusedLinearCrossEntropyLoss (its inner cross entropy "
+          "in CuTe DSL where nvidia-cutlass-dsl is installed, on Hopper and newer)", package="liger-kernel",
           needs_cuda=True),
+        P("quack", LINEAR, _quack, "quack.linear_cross_entropy.chunked_linear_cross_entropy (CuTe DSL)",
+          package="quack-kernels", needs_cuda=True),
         P("cce-ce", LOGITS, _cce("cross_entropy"), "cce.cross_entropy"),
         P("cce-ce-inplace", LOGITS, _cce("cross_entropy", inplace_backward=True),
           "cce.cross_entropy, inplace_backward=True", fresh_input=True, nonleaf_input=True, modes=(FWDBWD,)),
@@ -215,7 +224,7 @@ def _version(dist: str) -> str | None:
 def versions(providers: list[Provider]) -> dict[str, str | None]:
     """Versions of torch, triton, cce and every peer package (None: not installed)."""
     out = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    out.update({d: _version(d) for d in ("triton", "cce", "matplotlib")})
+    out.update({d: _version(d) for d in ("triton", "cce", "matplotlib", "nvidia-cutlass-dsl")})
     if out["cce"] is None:  # run from a checkout without installing
         try:
             out["cce"] = getattr(importlib.import_module("cce"), "__version__", None)

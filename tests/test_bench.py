@@ -141,6 +141,7 @@ def test_cli_selects_shapes_and_providers():
         "chunked8",
         "apple-cce",
         "liger-flce",
+        "quack",
     ]
     required += ["cce-ce", "torch-ce", "torch-ce-compile", "liger-ce", "crossentropy-triton"]
     assert set(required) <= set(names)
