@@ -31,6 +31,7 @@ from .common import (
     device_context,
     logit_tile,
     precision,
+    skipped_coef0,
     split_dot,
     stats_blocks,
     sub_dc_smoothing,
@@ -289,7 +290,7 @@ def _sparse_de_kernel(
         # a0_i = alpha_i + eta_i (lse_i - log BLOCK_V). The product's operand is a_ij S_ij / r_i,
         # formed in fp32 and rounded once, r_i = |a0_i| + |eta_i| (then |a_ij S_ij / r_i| <=
         # S_ij + |slog_ij|: within fp16's range whatever the upstream gradient's scale).
-        a0 = alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))
+        a0 = skipped_coef0(alpha, eta, lse, BLOCK_V)
         r = tl.abs(a0) + tl.abs(eta)
         inv_r = 1.0 / tl.maximum(r, 1e-30)  # (|a0_i| / max(r_i, 1e-30) <= 1: 0 on r_i = 0)
         a0r = a0 * inv_r

@@ -290,6 +290,13 @@ SOFTCAP_MEAN_STEPS: tl.constexpr = tl.constexpr(5)
 
 
 @triton.jit
+def skipped_coef0(alpha, eta, lse, BLOCK_V: tl.constexpr):
+    """a0 = alpha + eta (lse - log BLOCK_V), any shape: with the entropy's term a skipped tile's
+    correction coefficient times its decoded mass S is a S = a0 S + eta skipped_slog(S, ...)."""
+    return alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))
+
+
+@triton.jit
 def skipped_slog(S, lse, softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """S (zbar - lse + log BLOCK_V), 0 where S = 0, for a skipped tile's decoded mass S (any shape,
     lse broadcast to it): zbar the tile's p-weighted mean logit to first order in the tile's

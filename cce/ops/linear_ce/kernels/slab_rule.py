@@ -42,7 +42,7 @@ import triton.language as tl
 from ...._dispatch import interpreting
 from ... import jit_math as jm
 from ...launch import cached_launch
-from .common import device_context, skipped_slog
+from .common import device_context, skipped_coef0, skipped_slog
 
 # The most slabs the one-program decision holds in registers.
 RULE_KERNEL_SLABS = 64
@@ -268,7 +268,7 @@ def skipped_coef(
     backward_sparse._sparse_de_kernel takes it)."""
     if HAS_ETA:
         slog = skipped_slog(S, lse, softcap, BLOCK_V, HAS_SOFTCAP)
-        return (alpha + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32)))) * S + eta * slog
+        return skipped_coef0(alpha, eta, lse, BLOCK_V) * S + eta * slog
     return alpha * S
 
 
@@ -309,7 +309,7 @@ def _row_mass_kernel(
             sl = tl.load(
                 Slog + offs_r.to(tl.int64)[:, None] * nt + offs_t[None, :], mask=m, other=0.0
             )  # [BLOCK_R, BLOCK_T]
-            a_s = (a + eta * (lse - tl.log(tl.full((), BLOCK_V, tl.float32))))[:, None] * S
+            a_s = skipped_coef0(a, eta, lse, BLOCK_V)[:, None] * S
             acc += tl.abs(a_s + eta[:, None] * sl)
         elif HAS_ETA:
             acc += tl.abs(
