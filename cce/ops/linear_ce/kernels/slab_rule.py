@@ -597,7 +597,7 @@ def _dc_weights(
 
 
 @cached_launch
-@triton.heuristics({"HAS_FO": lambda a: a["X"] is not None})
+@triton.heuristics({"HAS_FO": lambda a: a["X"] is not None, "ONE_BLOCK": lambda a: a["k"] <= a["BLOCK_K"]})
 @triton.jit
 def _dc_error_kernel(
     W,  # [k, >= V] fp32 (rows of stride stride_w): the corrections' error weights (sampled_dz)
@@ -607,8 +607,11 @@ def _dc_error_kernel(
     X, Vperm, Rate, F,  # with the first-order terms: [k, V] fp32 x_mv (class order), [V], [nt], [k]; or None
     Out,  # [2, stride_out] fp32 out: row 0 the Out[0, j] above, row 1 Out[1, j] (HAS_FO)
     k, V, nt, stride_w, stride_x, stride_out, pair_scale,
-    ZERO_DIAG: tl.constexpr, HAS_FO: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    ZERO_DIAG: tl.constexpr, HAS_FO: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
+    """With ONE_BLOCK (k <= BLOCK_K: the sampled rows in one block) each weight tile is formed
+    once, one gather of X by Vperm per tile; otherwise per pair of row blocks."""
     j = tl.program_id(0)
     offs_p = j * BLOCK_V + tl.arange(0, BLOCK_V)
     inv_size = 1.0 / tl.minimum(V - j * BLOCK_V, BLOCK_V).to(tl.float32)
@@ -619,6 +622,13 @@ def _dc_error_kernel(
     col1 = tl.zeros([BLOCK_V], dtype=tl.float32)
     for m0 in range(0, k, BLOCK_K):
         offs_m = m0 + tl.arange(0, BLOCK_K)
+        wm0 = _dc_weights(
+            W, S, Q, X, Vperm, F, offs_m, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, False
+        )  # [BLOCK_K, BLOCK_V]
+        if HAS_FO:
+            wm1 = _dc_weights(
+                W, S, Q, X, Vperm, F, offs_m, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, True
+            )
         acc0 = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
         for m1 in range(0, k, BLOCK_K):
@@ -628,43 +638,33 @@ def _dc_error_kernel(
             if ZERO_DIAG:
                 pair = tl.where(offs_m[:, None] == offs_n[None, :], 0.0, pair)
             pair = pair * pair_scale  # [BLOCK_K, BLOCK_K]
-            w0 = _dc_weights(
-                W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, False
-            )
-            acc0 = tl.dot(pair, w0, acc0, input_precision="ieee")  # [BLOCK_K, BLOCK_V]
+            if ONE_BLOCK:
+                wn0 = wm0
+            else:
+                wn0 = _dc_weights(
+                    W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x,
+                    False,
+                )  # fmt: skip
+            acc0 = tl.dot(pair, wn0, acc0, input_precision="ieee")  # [BLOCK_K, BLOCK_V]
             if HAS_FO:
-                w1 = _dc_weights(
-                    W,
-                    S,
-                    Q,
-                    X,
-                    Vperm,
-                    F,
-                    offs_n,
-                    offs_p,
-                    j,
-                    inv_size,
-                    rate,
-                    k,
-                    V,
-                    nt,
-                    stride_w,
-                    stride_x,
-                    True,
-                )
-                acc1 = tl.dot(pair, w1, acc1, input_precision="ieee")
-        w0 = _dc_weights(
-            W, S, Q, X, Vperm, F, offs_m, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, False
-        )
-        col0 += tl.sum(w0 * acc0, axis=0)
+                if ONE_BLOCK:
+                    wn1 = wm1
+                else:
+                    wn1 = _dc_weights(
+                        W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x,
+                        True,
+                    )  # fmt: skip
+                acc1 = tl.dot(pair, wn1, acc1, input_precision="ieee")
+        col0 += tl.sum(wm0 * acc0, axis=0)
         if HAS_FO:
-            w1 = _dc_weights(
-                W, S, Q, X, Vperm, F, offs_m, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, True
-            )
-            col1 += tl.sum(w1 * acc1, axis=0)
+            col1 += tl.sum(wm1 * acc1, axis=0)
     tl.store(Out + j, tl.sum(col0, axis=0))
     if HAS_FO:
         tl.store(Out + stride_out + j, tl.sum(col1, axis=0))
+
+
+# Rows of one block in _dc_error_kernel: ERROR_ROWS (slab_choice) = 32 sampled rows take one.
+DC_ERROR_ROWS = 32
 
 
 def dc_tile_errors(
@@ -678,11 +678,12 @@ def dc_tile_errors(
     k, nt = S.shape
     BV = q.numel() // max(1, nt)
     out = torch.zeros((2, n_out), dtype=torch.float32, device=w.device)
+    BK = max(16, min(triton.next_power_of_2(k), DC_ERROR_ROWS))
     if k and nt:
         with device_context(w.device):
             _dc_error_kernel[(nt,)](
                 W=w, S=S, Q=q, Pair=pair, X=x, Vperm=vperm, Rate=rate, F=f, Out=out, k=k, V=V, nt=nt,
                 stride_w=w.stride(0), stride_x=0 if x is None else x.stride(0), stride_out=out.stride(0),
-                pair_scale=float(pair_scale), ZERO_DIAG=zero_diag, BLOCK_K=16, BLOCK_V=BV, num_warps=8,
+                pair_scale=float(pair_scale), ZERO_DIAG=zero_diag, BLOCK_K=BK, BLOCK_V=BV, num_warps=8,
             )  # fmt: skip
     return out
