@@ -174,7 +174,7 @@ def sparse_backward(
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
     slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
     first_order: bool = _T.first_order, host_gating: bool = _T.host_gating, u=None, delta=None,
-    entropy=None, order=None, n_valid=None, temperature: float = 1.0,
+    entropy=None, order=None, n_valid=None, cmeans=None, temperature: float = 1.0,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan);
     ``u``: an upstream gradient on the target logit (a log-probability output), else None;
@@ -208,7 +208,8 @@ def sparse_backward(
     bit.
 
     ``order`` and ``n_valid`` (the forward's, linear_ce_triton_fwd): the row and vocabulary
-    orders it made, read instead of made again; None or empty: made here.
+    orders it made, read instead of made again; None or empty: made here. ``cmeans`` likewise:
+    the forward's tile means of C in the vocabulary order (fp32 [n_tiles, D], tile_stats.tile_means).
 
     With ``delta`` the entropy's term eta p z is part of dZ (cce/_math.py): kept tiles and the
     target entries carry it exactly, a skipped tile j of row i through the coefficient
@@ -255,6 +256,7 @@ def sparse_backward(
     N = r.N
     BN, BV = stats_blocks(e2d.dtype)
     nt = -(-V // BV)
+    cm_fwd = cmeans if cmeans is not None and cmeans.numel() > 0 else None
     pos = torch.arange(N, device=dev)
     valid_s = pos < r.n_valid
     src = None
@@ -297,7 +299,7 @@ def sparse_backward(
             if sp.first_order_cost is not None:
                 # (At a cost of the slab count or more the rule never turns the terms on: their
                 # operands, D x D buffers, and gated launches are then left out: slab_plan.)
-                cm = tile_means(c, vperm, BV, f32)
+                cm = tile_means(c, vperm, BV, f32) if cm_fwd is None else cm_fwd
                 if need_dc:
                     masses = tile_masses(code)
             # (dC's estimates only where dC is wanted.)
@@ -373,8 +375,8 @@ def sparse_backward(
     dE, dC = KS.linear_ce_backward_sparse(
         e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
         need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
-        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps, eta=eta_s, dz_bound=dz_bound, cm=cm,
-        decided=decided, temperature=temperature,
+        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps, eta=eta_s, dz_bound=dz_bound,
+        cm=cm_fwd if cm is None else cm, decided=decided, temperature=temperature,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan

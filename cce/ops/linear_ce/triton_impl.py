@@ -64,7 +64,7 @@ class FwdArgs(NamedTuple):
     argmax: bool  # the argmax output
 
 
-_FWD_OUT = tuple[(torch.Tensor,) * 13]
+_FWD_OUT = tuple[(torch.Tensor,) * 14]
 
 
 def _stats_tiles(V: int, dtype: torch.dtype) -> int:
@@ -74,7 +74,7 @@ def _stats_tiles(V: int, dtype: torch.dtype) -> int:
 @define_op("cce::linear_ce_triton_fwd", FwdArgs, _FWD_OUT)
 def linear_ce_triton_fwd(a: FwdArgs):
     """(loss, lse, code, keep, tgt_logit, vperm, vscore, stash, tgt, entropy, argmax, order,
-    n_valid); lse, tgt (each row's target logit) and entropy are fp32 (N,), 0 at ignored rows;
+    n_valid, cmeans); lse, tgt (each row's target logit) and entropy are fp32 (N,), 0 at ignored rows;
     argmax int64 (N,), 0 at ignored rows; entropy and argmax are empty where not asked for.
 
     With ``stats`` the next outputs are the encoded tile statistics (tile_stats.encode_tile_stats:
@@ -86,7 +86,9 @@ def linear_ce_triton_fwd(a: FwdArgs):
     when they fit (stash.code_fits_stash; ``code`` is then empty). With ``stats`` also the
     orders the backward reads (``order`` int64 [3N + V]: the valid-first row order, the sorted
     rows' targets, their positions in the vocabulary order and each class's position; the
-    valid rows' count ``n_valid`` int32 [1]); otherwise empty.
+    valid rows' count ``n_valid`` int32 [1]), and ``cmeans``, the tiles' means of C in the
+    vocabulary order (fp32 [n_tiles, D], which the sparse backward reads; the sorted forward's slab
+    copies form them); otherwise empty.
     """
     e2d, c, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
     V = c.shape[0]
@@ -121,7 +123,7 @@ def linear_ce_triton_fwd(a: FwdArgs):
         )  # fmt: skip
         if in_stash:
             code = code.new_empty(0)
-        zt_s = st.tgt
+        zt_s, cmeans = st.tgt, st.cm
     del st
     w_t = _math.target_weight(weight, a.targets, r.valid)
     W = _math.weight_total(weight, V, e2d.device)
@@ -133,9 +135,9 @@ def linear_ce_triton_fwd(a: FwdArgs):
         none = e2d.new_empty(0, dtype=torch.float32)
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
-            e2d.new_empty(0), tgt, ent, amax, none.long(), none.int(),
+            e2d.new_empty(0), tgt, ent, amax, none.long(), none.int(), none.clone(),
         )  # fmt: skip
-    return loss, lse, code, keep, zt_s, perm.int(), score, buf, tgt, ent, amax, order, r.n_valid
+    return loss, lse, code, keep, zt_s, perm.int(), score, buf, tgt, ent, amax, order, r.n_valid, cmeans
 
 
 def _fwd_fake(a: FwdArgs):
@@ -152,7 +154,7 @@ def _fwd_fake(a: FwdArgs):
         return (
             loss, lse, none.to(torch.uint8), none.to(torch.int8), none.clone(), none.int(), none.clone(),
             e2d.new_empty(0, dtype=kdt), e2d.new_empty((N,), dtype=f32), ent, amax,
-            e2d.new_empty(0, dtype=torch.long), e2d.new_empty(0, dtype=torch.int32),
+            e2d.new_empty(0, dtype=torch.long), e2d.new_empty(0, dtype=torch.int32), none.clone(),
         )  # fmt: skip
     BN = stats_blocks(kdt)[0]
     nt = _stats_tiles(V, kdt)
@@ -163,6 +165,7 @@ def _fwd_fake(a: FwdArgs):
         e2d.new_empty((V,), dtype=torch.int32), e2d.new_empty((V,), dtype=f32),
         e2d.new_empty(e2d.shape if a.stash else (0,), dtype=kdt), e2d.new_empty((N,), dtype=f32), ent, amax,
         e2d.new_empty((3 * N + V,), dtype=torch.long), e2d.new_empty((1,), dtype=torch.int32),
+        e2d.new_empty((nt, e2d.shape[1]), dtype=f32),
     )  # fmt: skip
 
 
@@ -263,6 +266,7 @@ class SparseBwdArgs(NamedTuple):
     entropy: torch.Tensor | None  # [N] fp32 the entropy's forward values (with delta)
     order: torch.Tensor | None  # the forward's orders and valid rows' count (None: made again)
     n_valid: torch.Tensor | None
+    cmeans: torch.Tensor | None  # the forward's tile means of C (None or empty: made again)
     temperature: float  # the forward's: its statistics are of softcap(x) / temperature
 
 
@@ -285,7 +289,8 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
         dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, host_gating=a.host_gating, u=a.u,
-        delta=a.delta, entropy=a.entropy, order=a.order, n_valid=a.n_valid, temperature=a.temperature,
+        delta=a.delta, entropy=a.entropy, order=a.order, n_valid=a.n_valid, cmeans=a.cmeans,
+        temperature=a.temperature,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None and own else a.e2d.new_empty(0),
@@ -305,25 +310,26 @@ register_fake(linear_ce_triton_bwd_sparse, _sparse_fake)
 
 
 def _setup_context(ctx, a: FwdArgs, output) -> None:
-    _loss, lse, code, keep, zt, vperm, vscore, stash, _tgt, ent, amax, order, n_valid = output
-    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash, amax, order, n_valid)
+    _loss, lse, code, keep, zt, vperm, vscore, stash, _tgt, ent, amax, order, n_valid, cmeans = output
+    ctx.mark_non_differentiable(code, keep, zt, vperm, vscore, stash, amax, order, n_valid, cmeans)
     # Unused incoming gradients stay None: materialised, the statistics' would be zero-filled
     # [N, V / 256] tensors alive through the backward.
     ctx.set_materialize_grads(False)
     ctx.args = a._replace(e2d=None, c=None, bias=None, weight=None, rows=None, targets=None)
     ctx.save_for_backward(
         a.e2d, a.c, a.bias, a.weight, a.rows, a.targets, lse, code, keep, zt, vperm, vscore, stash, ent,
-        order, n_valid,
+        order, n_valid, cmeans,
     )  # fmt: skip
 
 
 def _backward(
     ctx, g_loss, g_lse, _g_code, _g_keep, _g_zt, _g_vperm, _g_vscore, _g_stash, g_tgt, g_ent, _g_amax,
-    _g_order, _g_nvalid,
+    _g_order, _g_nvalid, _g_cmeans,
 ):  # fmt: skip
     a: FwdArgs = ctx.args
     (
         e2d, c, bias, weight, rows, targets, lse, code, keep, zt, vperm, vscore, stash, ent, order, n_valid,
+        cmeans,
     ) = ctx.saved_tensors  # fmt: skip
     need_de, need_dc, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
@@ -345,7 +351,7 @@ def _backward(
             a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
             a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, a.host_gating, g_tgt, g_ent,
-            ent if g_ent is not None else None, order, n_valid, a.temperature,
+            ent if g_ent is not None else None, order, n_valid, cmeans, a.temperature,
         )  # fmt: skip
         if need_de and stash.numel() > 0:
             # dE was written into the forward's stash (a second backward through this graph

@@ -275,6 +275,29 @@ def test_tile_means(sorted_):
     assert torch.allclose(got, ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tiles", [(0, 5), (1, 3), (3, 5)])
+def test_gather_tile_means(tiles, dtype):
+    """gather_tile_means: the rows of a range of tiles of the order copied as index_select copies
+    them (bit for bit), the rest of the buffer untouched (NaN-poisoned), and those tiles' means as
+    tile_means gives them; the last tile partial, D not a multiple of the kernel's D chunk."""
+    from cce.ops.linear_ce.kernels.tile_stats import gather_tile_means, tile_means
+
+    V, D, BV = 150, 37, 32
+    g = torch.Generator().manual_seed(tiles[0] * 7 + tiles[1])
+    c = torch.randn(V, D, generator=g).to(dtype)
+    perm = torch.randperm(V, generator=g)
+    lo, hi = tiles
+    v0, v1 = lo * BV, min(hi * BV, V)
+    out = torch.full((5 * BV + 9, D), float("nan"), dtype=dtype)
+    cm = torch.full((-(-V // BV), D), float("nan"))
+    gather_tile_means(c, perm, lo, hi, BV, out, cm)
+    assert torch.equal(out[: v1 - v0], c.index_select(0, perm[v0:v1]))
+    assert out[v1 - v0 :].isnan().all()
+    assert torch.equal(cm[lo:hi], tile_means(c, perm, BV, torch.float32)[lo:hi])
+    assert cm[:lo].isnan().all() and cm[hi:].isnan().all()
+
+
 def test_vocab_sorting_clusters_skippable_tiles():
     """Walking the vocabulary by mean logit skips far more tiles than id order on zipf data."""
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)

@@ -98,6 +98,12 @@ def test_tma_path_matches_plain_loads(case, dtype):
         qa, qb = got.sq[:n].int(), want.sq[:n].int()
         assert (qa - qb).abs().max() <= 1
         assert (qa == qb).float().mean() > 0.99
+        # The tiles' means of C: formed by the slab copies here, by a pass of their own there
+        # (the same fp32 sums of the same rows).
+        assert got.cm.shape == want.cm.shape == (-(-V // 32), D)
+        assert torch.allclose(got.cm, want.cm, rtol=1e-6, atol=1e-6)
+    else:
+        assert got.cm is None and want.cm is None
 
 
 def test_tma_lse_against_float64_truth():

@@ -35,6 +35,7 @@ from .common import (
     tma_rows_ok,
     use_tma,
 )
+from .tile_stats import gather_tile_means, tile_means
 
 
 @triton.jit
@@ -372,7 +373,8 @@ class FwdStats:
     With ``perm`` given to linear_ce_forward, also the tile statistics of the sparse backward
     (see _fwd_kernel): ``st`` [N, n_tiles] fp16, ``sq`` [N, n_tiles] int8 and ``m0`` [N] fp32
     (the head tile's log-sum-exp, their reference), on the forward's (BLOCK_N, BLOCK_V) tiles of
-    the vocabulary in ``perm`` order.
+    the vocabulary in ``perm`` order, and ``cm``, the tiles' means of C (tile_stats.tile_means in
+    fp32), which the sorted walk's slab copies form on the way.
     """
 
     lse: torch.Tensor
@@ -383,6 +385,7 @@ class FwdStats:
     m0: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # fp32 [N] (entropy=True)
     argmax: torch.Tensor | None = None  # int64 [N] (argmax=True)
+    cm: torch.Tensor | None = None  # fp32 [n_tiles, D] the tiles' means of C (with perm)
 
 
 # Forward programs (token block x vocabulary split) per SM: each runs one tile at a time, so the
@@ -520,6 +523,7 @@ def linear_ce_forward(
     Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev) if stats else None
     e_arg = e2d
     c_buf = None
+    cm = torch.empty((n_vtiles, D), dtype=f32, device=dev) if stats else None
     if tma and N > 0:
         e_arg = TD.from_tensor(e2d.index_select(0, erow), [BN, cfg.BLOCK_D])
         if len(slabs) > 1 or stats or not tma_rows_ok(c):
@@ -534,8 +538,8 @@ def linear_ce_forward(
             return TD.from_tensor(c, [BV, cfg.BLOCK_D]), 0
         v0, v1 = lo * BV, min(hi * BV, V)
         buf = c_buf[: v1 - v0]
-        if stats:
-            torch.index_select(c, 0, perm[v0:v1], out=buf)
+        if stats:  # (the copy's pass over the rows gives the tiles' means too)
+            gather_tile_means(c, perm, lo, hi, BV, buf, cm)
         else:
             buf.copy_(c[v0:v1])
         return TD.from_tensor(buf, [BV, cfg.BLOCK_D]), lo
@@ -577,6 +581,8 @@ def linear_ce_forward(
                 part += splits
         if stats and m0 is None:  # N == 0
             m0 = Mx[0] + torch.log(Se[0])
+        if stats and c_buf is None:  # (no slab copies: a pass of its own)
+            cm = tile_means(c, perm, BV, f32)
     # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
     # m = -inf, S = 0 everywhere and are zeroed through `done`.
     lse, tl_, ss, m0 = merge_splits(Mx, Se, Ss, zt, m0)
@@ -604,4 +610,4 @@ def linear_ce_forward(
         if stats:
             amax = torch.where(zt == A, torch.minimum(amax, tgt), amax)
         amax = torch.where(done, amax, 0)
-    return FwdStats(lse, tl_, ss, St, Sq, m0, ent, amax)
+    return FwdStats(lse, tl_, ss, St, Sq, m0, ent, amax, cm)

@@ -144,22 +144,44 @@ def skipped_slogs(code: torch.Tensor, lse: torch.Tensor, softcap: float, BLOCK_V
 
 
 @cached_launch
+@triton.heuristics({"HAS_OUT": lambda a: a["Out"] is not None})
 @triton.jit
 def _tile_means_kernel(
-    C, Perm, Cm, V, D, stride_c, stride_cm, d_lo, d_hi, BLOCK_V: tl.constexpr, BLOCK_DO: tl.constexpr
+    C, Perm, Cm, Out, V, D, stride_c, stride_cm, stride_out, d_lo, d_hi, tile0,
+    BLOCK_V: tl.constexpr, BLOCK_DO: tl.constexpr, HAS_OUT: tl.constexpr,
 ):  # fmt: skip
     """Cm[j, d - d_lo] = mean of c[:, d] over the rows at positions [j BLOCK_V, (j + 1) BLOCK_V)
-    of the order, for d in [d_lo, d_hi)."""
-    j = tl.program_id(0)
+    of the order, for d in [d_lo, d_hi) and the tiles j = tile0 + program_id(0). With HAS_OUT the
+    rows themselves too, gathered into Out (row p - tile0 BLOCK_V for position p; d_lo = 0)."""
+    j = tile0 + tl.program_id(0)
     offs_do = d_lo + tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < d_hi
     offs_p, col_mask, vid = tile_cols(Perm, j, V, BLOCK_V)
     x = tl.load(
         C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
-    )
+    )  # [BLOCK_V, BLOCK_DO]
+    if HAS_OUT:
+        rows = (offs_p - tile0 * BLOCK_V).to(tl.int64)
+        tl.store(
+            Out + rows[:, None] * stride_out + offs_do[None, :], x, mask=col_mask[:, None] & dmask[None, :]
+        )
     cnt = tl.sum(col_mask.to(tl.float32), axis=0)
     mean = tl.sum(x.to(tl.float32), axis=0) / cnt
     tl.store(Cm + j.to(tl.int64) * stride_cm + offs_do - d_lo, mean.to(Cm.dtype.element_ty), mask=dmask)
+
+
+def _launch_tile_means(
+    c, perm, cm, out, d_lo: int, d_hi: int, tile_lo: int, tile_hi: int, BLOCK_V: int
+) -> None:
+    V, D = c.shape
+    BDO = 32 if interpreting() else 128
+    if V > 0 and d_hi > d_lo and tile_hi > tile_lo:
+        with device_context(c.device):
+            _tile_means_kernel[(tile_hi - tile_lo, triton.cdiv(d_hi - d_lo, BDO))](
+                C=c, Perm=perm, Cm=cm, Out=out, V=V, D=D, stride_c=c.stride(0), stride_cm=cm.stride(0),
+                stride_out=0 if out is None else out.stride(0), d_lo=d_lo, d_hi=d_hi, tile0=tile_lo,
+                BLOCK_V=BLOCK_V, BLOCK_DO=BDO,
+            )  # fmt: skip
 
 
 def tile_means(
@@ -177,11 +199,20 @@ def tile_means(
     d_hi = D if d_hi is None else d_hi
     nt = triton.cdiv(V, BLOCK_V)
     cm = torch.empty((nt, d_hi - d_lo), dtype=dtype, device=c.device)
-    BDO = 32 if interpreting() else 128
-    if V > 0 and d_hi > d_lo:
-        with device_context(c.device):
-            _tile_means_kernel[(nt, triton.cdiv(d_hi - d_lo, BDO))](
-                C=c, Perm=perm, Cm=cm, V=V, D=D, stride_c=c.stride(0), stride_cm=cm.stride(0), d_lo=d_lo,
-                d_hi=d_hi, BLOCK_V=BLOCK_V, BLOCK_DO=BDO,
-            )  # fmt: skip
+    _launch_tile_means(c, perm, cm, None, d_lo, d_hi, 0, nt, BLOCK_V)
     return cm
+
+
+def gather_tile_means(
+    c: torch.Tensor, perm: torch.Tensor, tile_lo: int, tile_hi: int, BLOCK_V: int, out: torch.Tensor,
+    cm: torch.Tensor,
+) -> None:  # fmt: skip
+    """The rows of ``c`` at the positions of tiles [tile_lo, tile_hi) of ``perm`` gathered into
+    ``out`` (``out[p - tile_lo BLOCK_V] = c[perm[p]]``, as ``torch.index_select``) and those tiles'
+    means into ``cm[tile_lo:tile_hi]`` (fp32 [n_tiles, D], as tile_means): one pass over the rows
+    for both (the sorted forward's slab copy, kernels/forward.py)."""
+    check_inputs(c, c, perm, out, cm)
+    D = c.shape[1]
+    if out.shape[1] != D or out.stride(1) != 1 or cm.shape[1] != D or cm.stride(1) != 1:
+        raise ValueError("out and cm must have D unit-stride columns")
+    _launch_tile_means(c, perm, cm, out, 0, D, tile_lo, tile_hi, BLOCK_V)
