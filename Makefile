@@ -42,9 +42,9 @@ test: install
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not slow" $(PYTEST_ARGS) tests
 
 # The thorough tier: the default tier plus the `slow` tests, hypothesis randomized with the full
-# example counts. Run it before a kernel change lands.
+# example counts. Run it before a kernel change lands. (--dist loadfile, as above.)
 test-all: install
-	CCE_TEST_TIER=all $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not gpu" $(PYTEST_ARGS) tests
+	CCE_TEST_TIER=all $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu" $(PYTEST_ARGS) tests
 
 test-gpu:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m pytest -q $(GPU_XDIST) -m "gpu and not slow" $(PYTEST_ARGS) tests
