@@ -523,11 +523,12 @@ def linear_ce_forward(
     Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev) if stats else None
     e_arg = e2d
     c_buf = None
-    cm = torch.empty((n_vtiles, D), dtype=f32, device=dev) if stats else None
     if tma and N > 0:
         e_arg = TD.from_tensor(e2d.index_select(0, erow), [BN, cfg.BLOCK_D])
         if len(slabs) > 1 or stats or not tma_rows_ok(c):
             c_buf = torch.empty((min(V, slabs[0][1] * BV), D), dtype=c.dtype, device=dev)
+    # The tiles' means: filled by the slab copies where there are some (else one pass, below).
+    cm = torch.empty((n_vtiles, D), dtype=f32, device=dev) if stats and c_buf is not None else None
 
     def slab_operand(lo: int, hi: int):
         # (C argument, first tile it holds) for the slab of tiles [lo, hi): with TMA a
