@@ -193,9 +193,11 @@ def backward_choice(
 # The fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) stores q per logit in the
 # operands' dtype and rewrites it as dZ: about 4 bytes of memory traffic per logit (16-bit
 # operands) more than the exact backward's dZ slabs, against one matmul pass (2 D flops per
-# logit) less. At an H100's ~200 flops per byte of bandwidth that pays from D ~ 400 on; the rule
-# below was measured with the earlier fp32-logit chunk (12 bytes per logit more: D >= 1024, or
-# small steps bound by the host's launches, of which the fused path issues about half).
+# logit) less. At an H100's ~200 flops per byte of bandwidth that would pay from D ~ 400 on; the
+# rule was measured with an earlier fp32-logit chunk (12 bytes per logit more: D >= 1024, or small
+# steps bound by the host's launches, of which the fused path issues about half) and holds with
+# q: on an H200 the fused path took 1.23-1.26x the four-pass step at D = 768 (gpt2's head, N = 16384
+# and 32768) and 0.92x at D = 896 (qwen2.5-0.5b's, N = 8192) with 1.23x its memory.
 FUSED_MIN_D = 1024
 FUSED_HOST_BOUND_LOGITS = 1 << 29
 
@@ -223,9 +225,10 @@ def fused_misfit(
     or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
     of a "mean" falls below its normal range); it is the faster one (D >= FUSED_MIN_D, or at most
     FUSED_HOST_BOUND_LOGITS logits); not softcap with label smoothing (whose smoothing term needs
-    the softcap's derivative per entry); and its memory is bounded: the logits come in at most
-    FUSED_DIRECT_CHUNKS chunks of ``tuning.fused_chunk_bytes`` (dC accumulates in its own dtype),
-    or the fp32 dC accumulator that more chunks need (V D 4 bytes) fits that budget too."""
+    the softcap's derivative per entry); and its memory and dC's roundings are bounded: the logits
+    come in at most FUSED_DIRECT_CHUNKS chunks of ``tuning.fused_chunk_bytes`` (dC accumulates in
+    its own dtype), or the fp32 dC accumulator that more chunks need (V D 4 bytes) fits that
+    budget too, or (16-bit operands) they come in at most FUSED_ROUNDED_CHUNKS chunks."""
     if not need_grad:
         return "no gradient is asked for"
     if not tuning.fused:
@@ -241,17 +244,32 @@ def fused_misfit(
     chunks = fused_chunks(tuning, N, V, dtype.itemsize)
     if chunks <= FUSED_DIRECT_CHUNKS or 4 * V * D <= tuning.fused_chunk_bytes:
         return None
+    if dtype != torch.float32 and chunks <= FUSED_ROUNDED_CHUNKS:
+        return None
     return (
         f"{chunks} chunks of q would need an fp32 dC accumulator of {4 * V * D / 2**20:.0f} MiB, "
         f"above Tuning.fused_chunk_bytes"
     )
 
 
-# dC of the fused path over several row chunks: up to this many chunks it accumulates in c's
-# dtype (cuBLAS adds each chunk's fp32 product to the stored dC and rounds once per chunk, so a
-# bf16 dC carries at most this many roundings: RMS error ~ sqrt(k) times one rounding's, 2x at
-# k = 4, within bf16's error target); from more chunks on, in an fp32 accumulator of V D 4 bytes.
+# dC of the fused path over several row chunks: up to FUSED_DIRECT_CHUNKS chunks it accumulates
+# in c's dtype (cuBLAS adds each chunk's fp32 product to the stored dC and rounds once per chunk:
+# a bf16 dC carries one rounding per chunk, RMS error ~ sqrt(k) times one rounding's); from more
+# chunks on in an fp32 accumulator of V D 4 bytes where that fits the chunk budget, else (a large
+# vocabulary and hidden size: 2.4 GB at gemma2-2b's head) still in c's dtype up to
+# FUSED_ROUNDED_CHUNKS chunks. Measured against fp32 gradients (bf16, one H200): dC's error 1.6e-3
+# to 2.1e-3 with the four-pass exact backward, 2.9e-3 with 4 chunks, 1.8e-3 (random) to 3.6e-3
+# (real text) with 8 on zipf, random, real-text and untrained-model data (gemma2-2b's head at
+# N = 8192, llama3-8b's at N = 16384), 3.1e-3 to 4.7e-3 with 16 (llama3-8b's at N = 32768): so 8,
+# for 11-25% less time than four passes (docs/benchmarks.md, "The fused exact path").
 FUSED_DIRECT_CHUNKS = 4
+FUSED_ROUNDED_CHUNKS = 8
+
+
+def fused_dc_fp32(chunks: int, V: int, D: int, chunk_bytes: int, dtype: torch.dtype) -> bool:
+    """Whether the fused path's dC accumulates in an fp32 buffer (16-bit operands in more than
+    FUSED_DIRECT_CHUNKS chunks, where its V D 4 bytes fit ``chunk_bytes``) rather than in dC."""
+    return dtype != torch.float32 and chunks > FUSED_DIRECT_CHUNKS and 4 * V * D <= chunk_bytes
 
 
 # Rows of the fused path's chunk buffer: q (then dZ) padded to a multiple of this many classes

@@ -125,9 +125,10 @@ class Tuning:
             exact pass.
         fused_chunk_bytes: bytes of the fused path's chunk of per-logit values in the operands'
             dtype (rows in balanced chunks); it runs only where the logits come in at most 4
-            chunks (dC then accumulates in c's dtype, one rounding per chunk) or its fp32 dC
-            accumulator (V x D x 4 bytes) fits this budget too; not softcap with label
-            smoothing.
+            chunks (dC then accumulates in c's dtype, one rounding per chunk), or its fp32 dC
+            accumulator (V x D x 4 bytes) fits this budget too, or (16-bit operands) they come
+            in at most 8 chunks (dC's rounding error about 1.7x the four-pass backward's,
+            cce/_dispatch.py); not softcap with label smoothing.
     """
 
     backward: Backward = "auto"

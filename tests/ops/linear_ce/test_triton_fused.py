@@ -25,8 +25,10 @@ from cce._dispatch import (
     FUSED_DIRECT_CHUNKS,
     FUSED_HOST_BOUND_LOGITS,
     FUSED_MIN_D,
+    FUSED_ROUNDED_CHUNKS,
     fused_chunk_rows,
     fused_chunks,
+    fused_dc_fp32,
     fused_fits,
     fused_one_chunk,
     linear_backward,
@@ -215,6 +217,18 @@ def test_fused_dispatch():
     assert fused_fits(Tb, "mean", bf16, 16 * FUSED_DIRECT_CHUNKS, 16000, 1024, True)
     assert fused_fits(Tb, "mean", f32, 16 * FUSED_DIRECT_CHUNKS + 1, 16000, 16, True)  # dC fits
     assert not fused_fits(Tb, "mean", f32, 16 * FUSED_DIRECT_CHUNKS + 1, 16000, 1024, True)
+    # 16-bit operands: dC rounded once per chunk up to FUSED_ROUNDED_CHUNKS chunks where the fp32
+    # accumulator does not fit (32 rows of 16000 bf16 q per MiB); the accumulator where it does.
+    most = 32 * FUSED_ROUNDED_CHUNKS
+    assert fused_chunks(Tb, most, 16000, 2) == FUSED_ROUNDED_CHUNKS
+    assert fused_fits(Tb, "mean", bf16, most, 16000, 1024, True)
+    assert not fused_fits(Tb, "mean", bf16, most + 1, 16000, 1024, True)
+    assert fused_fits(Tb, "mean", bf16, most + 1, 16000, 16, True)
+    mib = Tb.fused_chunk_bytes
+    assert not fused_dc_fp32(FUSED_DIRECT_CHUNKS, 16000, 16, mib, bf16)
+    assert fused_dc_fp32(FUSED_DIRECT_CHUNKS + 1, 16000, 16, mib, bf16)
+    assert not fused_dc_fp32(FUSED_DIRECT_CHUNKS + 1, 16000, 1024, mib, bf16)
+    assert not fused_dc_fp32(FUSED_DIRECT_CHUNKS + 1, 16000, 16, mib, f32)
     # Balanced chunks: 33 rows at 16 per chunk are 3 chunks of 11; q in bf16 holds twice the rows.
     assert fused_chunk_rows(33, 16000, 1 << 20) == 11
     assert fused_chunk_rows(33, 16000, 1 << 20, 2) == 17 and fused_chunks(Tb, 33, 16000, 2) == 2

@@ -17,9 +17,9 @@ three GEMMs' own operand and output traffic (q written once, dZ read twice: as t
 GEMMs), the step moves 4 bytes per logit (16-bit operands): _dz_kernel reading q and writing dZ
 over it. Memory: one chunk of q (``chunk_bytes``; its rows padded to 16 classes, FUSED_PAD_CLASSES,
 16-byte aligned for cuBLAS), the chunk's fp32 dE rows (finished into dE after each chunk) and,
-past FUSED_DIRECT_CHUNKS chunks, an fp32 dC accumulator (up to that many, dC accumulates in c's
-dtype: one rounding per chunk); the dispatcher (cce._dispatch.fused_fits) takes this path only
-where those are bounded.
+past FUSED_DIRECT_CHUNKS chunks, an fp32 dC accumulator where it fits the chunk budget (else, and
+up to that many, dC accumulates in c's dtype: one rounding per chunk); the dispatcher
+(cce._dispatch.fused_fits) takes this path only where the memory and dC's roundings are bounded.
 
 Rounding: q = e^(L - m') <= 1 rounds once (relative 2^-9 in bf16, which keeps fp32's exponent
 range), dZ = f q once more: the same relative error per entry as a dZ rounded from fp32 logits,
@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import FUSED_DIRECT_CHUNKS, fused_chunk_rows, fused_padded_classes, interpreting
+from ...._dispatch import fused_chunk_rows, fused_dc_fp32, fused_padded_classes, interpreting
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import aligned_parts, check_inputs, config, device_context, slab_products
@@ -178,8 +178,9 @@ def linear_ce_fused(
     chunks = -(-N // n)
     # dC: written by the first chunk, accumulated by the next ones (cuBLAS, beta = 1: fp32
     # accumulation, one rounding to the stored dtype per chunk); past FUSED_DIRECT_CHUNKS chunks
-    # in an fp32 buffer, rounded once at the end (cce._dispatch, FUSED_DIRECT_CHUNKS).
-    f32_acc = chunks > FUSED_DIRECT_CHUNKS and c.dtype != f32
+    # in an fp32 buffer where it fits the chunk budget, rounded once at the end
+    # (cce._dispatch.fused_dc_fp32; the dispatcher bounds the roundings otherwise).
+    f32_acc = fused_dc_fp32(chunks, V, D, chunk_bytes, c.dtype)
     dC = None
     if need_dc:
         dC = (torch.zeros if N == 0 else torch.empty)((V, D), dtype=f32 if f32_acc else c.dtype, device=dev)
