@@ -596,6 +596,22 @@ def _dc_weights(
     return tl.where(msk, w + s[:, None] * (inv_size - q)[None, :], 0.0)
 
 
+@triton.jit
+def _dc_pair_product(
+    acc, pair, wm, W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x,
+    FO: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """acc + pair @ W_b[offs_n] (b = FO), [BLOCK_K, BLOCK_V]: with ONE_BLOCK the rows offs_n are
+    offs_m's, so their weights are ``wm`` as formed; otherwise formed for offs_n."""
+    if ONE_BLOCK:
+        wn = wm
+    else:
+        wn = _dc_weights(
+            W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x, FO
+        )
+    return tl.dot(pair, wn, acc, input_precision="ieee")
+
+
 @cached_launch
 @triton.heuristics({"HAS_FO": lambda a: a["X"] is not None, "ONE_BLOCK": lambda a: a["k"] <= a["BLOCK_K"]})
 @triton.jit
@@ -638,23 +654,15 @@ def _dc_error_kernel(
             if ZERO_DIAG:
                 pair = tl.where(offs_m[:, None] == offs_n[None, :], 0.0, pair)
             pair = pair * pair_scale  # [BLOCK_K, BLOCK_K]
-            if ONE_BLOCK:
-                wn0 = wm0
-            else:
-                wn0 = _dc_weights(
-                    W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x,
-                    False,
-                )  # fmt: skip
-            acc0 = tl.dot(pair, wn0, acc0, input_precision="ieee")  # [BLOCK_K, BLOCK_V]
+            acc0 = _dc_pair_product(
+                acc0, pair, wm0, W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt,
+                stride_w, stride_x, False, ONE_BLOCK,
+            )  # fmt: skip
             if HAS_FO:
-                if ONE_BLOCK:
-                    wn1 = wm1
-                else:
-                    wn1 = _dc_weights(
-                        W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt, stride_w, stride_x,
-                        True,
-                    )  # fmt: skip
-                acc1 = tl.dot(pair, wn1, acc1, input_precision="ieee")
+                acc1 = _dc_pair_product(
+                    acc1, pair, wm1, W, S, Q, X, Vperm, F, offs_n, offs_p, j, inv_size, rate, k, V, nt,
+                    stride_w, stride_x, True, ONE_BLOCK,
+                )  # fmt: skip
         col0 += tl.sum(wm0 * acc0, axis=0)
         if HAS_FO:
             col1 += tl.sum(wm1 * acc1, axis=0)
