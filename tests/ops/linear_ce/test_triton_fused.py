@@ -246,6 +246,23 @@ def test_fused_dispatch():
     assert fused_one_chunk(T, 2048, 128256, 2) and not fused_one_chunk(T, 8192, 128256, 2)
 
 
+@settings(SETTINGS, max_examples=examples(60, 30))
+@given(rows=st.integers(1, 70000), n_vtiles=st.integers(1, 5000))
+def test_dz_split_tiles_cover_each_row_once(rows, n_vtiles):
+    """_dz_kernel's programs (r, s) take tiles [s tiles, (s + 1) tiles) of row r: every tile of
+    a row in exactly one program, none empty, and a row split into more parts where the chunk
+    has fewer rows than DZ_PROGRAMS (so that enough programs are in flight)."""
+    from cce.ops.linear_ce.kernels import fused_grads as fg
+
+    with mock.patch.object(fg, "interpreting", return_value=False):
+        tiles = fg.dz_split_tiles(rows, n_vtiles)
+    splits = -(-n_vtiles // tiles)
+    assert 1 <= tiles <= n_vtiles
+    assert (splits - 1) * tiles < n_vtiles <= splits * tiles
+    assert splits == 1 or rows * (splits - 1) < fg.DZ_PROGRAMS
+    assert rows * splits >= min(fg.DZ_PROGRAMS, rows * n_vtiles) / 2
+
+
 def test_fused_dispatch_small_vocabulary():
     """A filtered call over fewer classes than Tuning.sparse_min_classes (None: the CUDA
     calibration on CUDA tensors, 0 elsewhere) takes the fused path where it fits, at any size;

@@ -53,7 +53,9 @@ from .forward import linear_ce_forward
 #   alpha = a0_i + a1_i lse_r;  per tile j: f_j = alpha e^(m'_rj - lse_r)
 #   dZ_v = f_j q_v - gamma_i w_v                      (v in tile j, v != t_i)
 #   dZ_t = (alpha e^(zt_r - lse_r) - beta_i - gamma_i w_t) (1 - th_t^2), th_t = zt_r T / softcap
-# rounded to Q's dtype; Lo_i = dZ_t - round(dZ_t).
+# rounded to Q's dtype; Lo_i = dZ_t - round(dZ_t). Program (r, s) does row r's tiles
+# [s tiles, (s + 1) tiles): a pass of 2 + 2 bytes per logit (16-bit q) bound by bandwidth, which
+# needs many programs in flight (one-warp programs: DZ_PROGRAMS, below), not one per row.
 @cached_launch
 @triton.heuristics(
     {
@@ -72,11 +74,12 @@ def _dz_kernel(
     Zt, Lse,  # [n] fp32 the chunk rows' target logit and lse
     A0, A1, Beta, Gamma,  # [N] fp32 coefficients (A1: None without z-loss; Gamma: without smoothing)
     Lo,  # [N] fp32 target remainders (16-bit operands) or None
-    row0, V, n_vtiles, stride_q, th_scale,
+    row0, V, n_vtiles, tiles, stride_q, th_scale,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, TARGET_LO: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
     i = row0 + r
     t = tl.load(Tgt + i)
     lse = tl.load(Lse + r)
@@ -103,8 +106,8 @@ def _dz_kernel(
         beta_t *= 1.0 - th * th
     q_row = Q + r * stride_q
     offs = tl.arange(0, BLOCK_V)
-    for j in range(0, n_vtiles):
-        vid = j * BLOCK_V + offs
+    for j in range(split * tiles, tl.minimum(n_vtiles, (split + 1) * tiles)):
+        vid = j * BLOCK_V + offs  # [BLOCK_V]
         live = vid < V
         f = alpha * jm.exp(tl.load(Qm + r * n_vtiles + j) - lse)
         dz = f * tl.load(q_row + vid, mask=live, other=0.0).to(tl.float32)  # [BLOCK_V]
@@ -119,7 +122,23 @@ def _dz_kernel(
             dz = tl.where(vid == t, dz - beta_t, dz)
         tl.store(q_row + vid, dz.to(Q.dtype.element_ty), mask=live)
     if TARGET_LO:
-        tl.store(Lo + i, dzt - dzt.to(Q.dtype.element_ty).to(tl.float32))
+        if split == 0:
+            tl.store(Lo + i, dzt - dzt.to(Q.dtype.element_ty).to(tl.float32))
+
+
+# Programs of _dz_kernel to aim for: with one warp each, about two waves of an H100 / H200's
+# resident blocks (32 per SM, 132 SMs). One program per row left 8-16 warps per SM at the 1024
+# to 2048 rows of a chunk at large V, and the pass ran at 1.7-2.8 TB/s on an H200. (Few under
+# the interpreter, which runs programs one by one: there the splits still take several tiles.)
+DZ_PROGRAMS = 8192
+
+
+def dz_split_tiles(rows: int, n_vtiles: int) -> int:
+    """Vocabulary tiles per program of _dz_kernel for a chunk of ``rows`` rows: each row split
+    into about DZ_PROGRAMS / rows parts (at least one tile each)."""
+    programs = 64 if interpreting() else DZ_PROGRAMS
+    splits = max(1, min(n_vtiles, -(-programs // max(1, rows))))
+    return -(-n_vtiles // splits)
 
 
 class FusedOut(NamedTuple):
@@ -211,9 +230,10 @@ def linear_ce_fused(
                 temperature=temperature, entropy=entropy, argmax=argmax, q=qbuf[:k], qm=qm[:k],
             )  # fmt: skip
             stats.append(st)
-            _dz_kernel[(k,)](
+            tiles = dz_split_tiles(k, n_vt)
+            _dz_kernel[(k, triton.cdiv(n_vt, tiles))](
                 Q=qbuf, Qm=qm, W=weight, Tgt=safe_t, Zt=st.tgt, Lse=st.lse, A0=a0, A1=a1, Beta=beta,
-                Gamma=gamma, Lo=lo, row0=s, V=V, n_vtiles=n_vt, stride_q=qbuf.stride(0),
+                Gamma=gamma, Lo=lo, row0=s, V=V, n_vtiles=n_vt, tiles=tiles, stride_q=qbuf.stride(0),
                 th_scale=temperature / softcap if softcap > 0 else 0.0, HAS_SOFTCAP=softcap > 0,
                 BLOCK_V=BV, num_warps=1 if BV <= 256 else 4,
             )  # fmt: skip
