@@ -72,7 +72,7 @@ CASES = {
 def _inputs(kind):
     if kind == "zipf":
         return zipf_inputs(96, 32, 1500, dtype=torch.float32, seed=3), 2e-3
-    return near_uniform_inputs(64, 32, 600, std=0.3, seed=2), 2e-2
+    return near_uniform_inputs(64, 32, 300, std=0.3, seed=2), 2e-2
 
 
 @pytest.mark.parametrize(
