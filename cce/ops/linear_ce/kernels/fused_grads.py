@@ -128,15 +128,15 @@ def _dz_kernel(
 
 # Programs of _dz_kernel to aim for: with one warp each, about two waves of an H100 / H200's
 # resident blocks (32 per SM, 132 SMs). One program per row left 8-16 warps per SM at the 1024
-# to 2048 rows of a chunk at large V, and the pass ran at 1.7-2.8 TB/s on an H200. (Few under
-# the interpreter, which runs programs one by one: there the splits still take several tiles.)
+# to 2048 rows of a chunk at large V, and the pass ran at 1.7-2.8 TB/s on an H200. (Under the
+# interpreter, which runs programs one by one, two per row: the split path, at little cost.)
 DZ_PROGRAMS = 8192
 
 
 def dz_split_tiles(rows: int, n_vtiles: int) -> int:
     """Vocabulary tiles per program of _dz_kernel for a chunk of ``rows`` rows: each row split
     into about DZ_PROGRAMS / rows parts (at least one tile each)."""
-    programs = 64 if interpreting() else DZ_PROGRAMS
+    programs = 2 * rows if interpreting() else DZ_PROGRAMS
     splits = max(1, min(n_vtiles, -(-programs // max(1, rows))))
     return -(-n_vtiles // splits)
 
