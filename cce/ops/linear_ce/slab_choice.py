@@ -192,34 +192,14 @@ def sample_rows(
 
 
 def slab_errors(
-    e2d: torch.Tensor,
-    c: torch.Tensor,
-    bias: torch.Tensor | None,
-    erow_s: torch.Tensor,
-    t_s: torch.Tensor,
-    lse_s: torch.Tensor,
-    alpha_s: torch.Tensor,
-    beta_s: torch.Tensor,
-    code: torch.Tensor,
-    keep: torch.Tensor,
-    vperm: torch.Tensor,
-    n_valid: torch.Tensor,
-    softcap: float,
-    BLOCK_N: int,
-    BLOCK_V: int,
-    width: int,
-    rows: int = ERROR_ROWS,
-    cm: torch.Tensor | None = None,
-    vscore: torch.Tensor | None = None,
-    coef_t: torch.Tensor | None = None,
-    eta_s: torch.Tensor | None = None,
-    *,
-    vpos: torch.Tensor | None = None,
-    q: torch.Tensor | None = None,
-    M: torch.Tensor | None = None,
-    logit_scale: float = 1.0,
-    slog: torch.Tensor | None = None,
-) -> SlabErrors:
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, erow_s: torch.Tensor, t_s: torch.Tensor,
+    lse_s: torch.Tensor, alpha_s: torch.Tensor, beta_s: torch.Tensor, code: torch.Tensor, keep: torch.Tensor,
+    vperm: torch.Tensor, n_valid: torch.Tensor, softcap: float, BLOCK_N: int, BLOCK_V: int, width: int,
+    rows: int = ERROR_ROWS, cm: torch.Tensor | None = None, vscore: torch.Tensor | None = None,
+    coef_t: torch.Tensor | None = None, eta_s: torch.Tensor | None = None, *,
+    vpos: torch.Tensor | None = None, q: torch.Tensor | None = None, M: torch.Tensor | None = None,
+    logit_scale: float = 1.0, slog: torch.Tensor | None = None,
+) -> SlabErrors:  # fmt: skip
     """SlabErrors for ``rows`` sorted rows i drawn by sample_rows (all of them when N <= rows),
     each times its scale: err[s, i] is what the rank-1 corrections of the skipped tiles of slab s
     (``width`` sorted positions) get wrong in dE_i,
@@ -262,13 +242,41 @@ def slab_errors(
     ``slog`` (with ``eta_s``): the step's tile_stats.skipped_slogs, which the row sampling then
     reads instead of solving them again.
     """
-    N, nt = code.shape
-    V, D = c.shape
     pos, scale = sample_rows(code, alpha_s, n_valid, rows, eta_s, lse_s, BLOCK_V, softcap, slog)
     k = pos.numel()
     ok = (pos < n_valid.long()).float() * scale
     vp = vperm.long()
     es = e2d.index_select(0, erow_s.index_select(0, pos))
+    w2, S, SF, x, gx = _sampled_weights(
+        es, c, bias, vperm, vp, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap, BLOCK_N, BLOCK_V,
+        eta_s, cm, vpos, vscore is not None, logit_scale,
+    )  # fmt: skip
+    err, ref, fo, ref_sq = _de_errors(w2, SF, gx, c, vperm, t_s, coef_t, n_valid, pos, ok, BLOCK_V, width)
+    if vscore is None:
+        return SlabErrors(err, ref, fo, ref_sq=ref_sq)
+    dc_err, dc_err_fo = dc_error_terms(
+        code, es, scale, w2[:k], S, x, vp, vscore, BLOCK_V, width, None if SF is S else SF, q=q, M=M
+    )
+    del w2, x
+    dc_ref = dc_norm_estimate(
+        e2d, c, bias, erow_s, t_s, lse_s, alpha_s, beta_s, n_valid, vp, softcap, eta_s=eta_s,
+        logit_scale=logit_scale,
+    )  # fmt: skip
+    return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref, ref_sq)
+
+
+def _sampled_weights(
+    es: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, vperm: torch.Tensor, vp: torch.Tensor,
+    pos: torch.Tensor, ok: torch.Tensor, alpha_s: torch.Tensor, beta_s: torch.Tensor, t_s: torch.Tensor,
+    lse_s: torch.Tensor, code: torch.Tensor, keep: torch.Tensor, softcap: float, BLOCK_N: int, BLOCK_V: int,
+    eta_s: torch.Tensor | None, cm: torch.Tensor | None, vpos: torch.Tensor | None, keep_x: bool,
+    logit_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(w2, S, SF, x, gx) of slab_errors' k sampled rows (hidden states ``es``, sorted positions
+    ``pos``, scales ``ok``, 0 past n_valid): kernels/slab_rule.sampled_dz's outputs from the rows'
+    logits (fp32 [k, V], dropped here), and with ``cm`` the first-order terms' deviations x (fp32
+    [k, V], class order; None unless ``keep_x``: dC's estimates read them) and gx = G e_i (fp32
+    [k, D]); both None without ``cm``. x and gx are times ``logit_scale``, as the logits are."""
     z = mm_f32(es, c.T, None)  # [k, V]
     gx = x = None
     if cm is not None:
@@ -277,7 +285,7 @@ def slab_errors(
         tile_of = (inverse_permutation(vp) if vpos is None else vpos) // BLOCK_V
         x = z - mm_f32(es, cm.T.to(es.dtype), None).index_select(1, tile_of)
         gx = mm_f32(x.to(c.dtype), c, None)  # [k, D]
-        if vscore is None:
+        if not keep_x:
             x = None
     if logit_scale != 1.0:  # the tempered logits and their deviations within the tiles
         z.mul_(logit_scale)
@@ -291,11 +299,21 @@ def slab_errors(
         z, bias, vperm, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap, BLOCK_N, BLOCK_V,
         STATS_STEPS, eta_s,
     )  # fmt: skip
-    del z
-    w = w2[:k]
+    return w2, S, SF, x, gx
+
+
+def _de_errors(
+    w2: torch.Tensor, SF: torch.Tensor, gx: torch.Tensor | None, c: torch.Tensor, vperm: torch.Tensor,
+    t_s: torch.Tensor, coef_t: torch.Tensor | None, n_valid: torch.Tensor, pos: torch.Tensor,
+    ok: torch.Tensor, BLOCK_V: int, width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """(err, ref, fo, ref_sq) of slab_errors' SlabErrors from _sampled_weights' w2, SF and gx: err
+    and ref from one slab_products pass over C, fo (None without ``gx``) from each slab's share of
+    the first-order weights SF, ref_sq (None without ``coef_t``) from kernels.common.de_norm_sq."""
+    k, nt = SF.shape
+    V = c.shape[0]
     prod = slab_products(w2, c, vperm, width)  # [n_slabs, 2k, D]
     err, ref = prod[:, :k], prod[:, k:].sum(0)
-    del w2, prod
     ref_sq = None
     if coef_t is not None:
         # The target terms as a control variate, weighted by the sample's regression slope (1
@@ -308,28 +326,7 @@ def slab_errors(
             F.pad(SF, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)
         )  # [k, n_slabs]
         fo = (per_slab.T / V)[:, :, None] * gx[None]
-    if vscore is None:
-        return SlabErrors(err, ref, fo, ref_sq=ref_sq)
-    dc_err, dc_err_fo = dc_error_terms(
-        code, es, scale, w, S, x, vp, vscore, BLOCK_V, width, None if SF is S else SF, q=q, M=M
-    )
-    del w, x
-    dc_ref = dc_norm_estimate(
-        e2d,
-        c,
-        bias,
-        erow_s,
-        t_s,
-        lse_s,
-        alpha_s,
-        beta_s,
-        n_valid,
-        vp,
-        softcap,
-        eta_s=eta_s,
-        logit_scale=logit_scale,
-    )
-    return SlabErrors(err, ref, fo, dc_err, dc_err_fo, dc_ref, ref_sq)
+    return err, ref, fo, ref_sq
 
 
 def mean_row_spread(vscore: torch.Tensor, n_tiles: int, BLOCK_V: int) -> torch.Tensor:

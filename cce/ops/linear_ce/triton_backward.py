@@ -28,7 +28,7 @@ from .kernels.first_order import FirstOrder, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, skipped_slogs, tile_means
 from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
-from .slab_choice import dense_slab_flags, mean_row_spread, slab_errors, slab_plan, tile_masses
+from .slab_choice import SlabPlan, dense_slab_flags, mean_row_spread, slab_errors, slab_plan, tile_masses
 
 
 def with_slab_plan(plan: LinearPlan, tuning: Tuning, dtype: torch.dtype, shape: tuple[int, int, int],
@@ -227,15 +227,96 @@ def sparse_backward(
     expansion is in the logit's deviation lam x) see lam x, lam bias and softcap_T. So the plan
     and the filter's bound are those of the tempered problem.
     """
-    V, D = c.shape
-    dev = e2d.device
-    f32 = torch.float32
     if delta is not None and entropy is None:
         raise ValueError("an upstream gradient of the entropy (delta) needs the entropy's values")
+    st = _sparse_step(
+        e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
+        vperm, vscore, u, delta, entropy, order, n_valid, temperature,
+    )  # fmt: skip
+    stash, src, code = _stash_and_codes(e2d, st, stash, code, need_de)
+    coef = _target_coef(st, zt_s, softcap)
+    keep = keep.bool()
+    V, D = c.shape
+    sp = slab_plan(
+        st.N, V, D, e2d.dtype, need_dc, dense_slabs, dense_kept, slab_error, slab_error_dc, dense_slab_bytes,
+        first_order,
+    )  # fmt: skip
+    cm_fwd = cmeans if cmeans is not None and cmeans.numel() > 0 else None
+    q, slog = _shared_terms(st, code, need_dc)
+    rule = _dense_slab_rule(
+        e2d, c, vperm, st, sp, code, keep, coef, q, slog, cm_fwd, need_dc, dense_kept, slab_error,
+        slab_error_dc, host_gating,
+    )  # fmt: skip
+    plan, gamma_s = _sparse_plan(
+        e2d, c, weight, vperm, st, code, keep, coef, q, slog, rule, need_de, need_dc, dc_scratch_tiles
+    )
+    del q  # the plan holds its view of q alone from here: released after dC
+    dz_bound = None
+    if st.eta_s is not None and rule.dense is not None and e2d.dtype == torch.float16:
+        dz_bound = fp16_dz_bound(st.alpha_s, st.eta_s, st.lse_s, st.sort(entropy.float()))
+    dE, dC = KS.linear_ce_backward_sparse(
+        e2d, c, bias, weight, st.r.erow_s, st.t_s, vperm, st.r.n_valid, st.lse_s, st.alpha_s, gamma_s, plan,
+        softcap, need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
+        move_bytes=move_bytes, dense=rule.dense, tiles_per_slab=sp.tiles_per_slab, eta=st.eta_s,
+        dz_bound=dz_bound, cm=cm_fwd if rule.cm is None else rule.cm, decided=rule.decided,
+        temperature=temperature,
+    )  # fmt: skip
+    if return_plan:
+        return dE, dC, plan
+    return dE, dC
+
+
+@dataclasses.dataclass
+class _SparseStep:
+    """What every part of one sparse backward step reads (_sparse_step makes it): the rows in the
+    valid-first order (rows.RowOrder) and the per-row values in that order, the statistics'
+    blocks, and the host-side estimates' view of the tempered logits (sparse_backward)."""
+
+    r: RowOrder
+    t_s: torch.Tensor  # each sorted row's target (0 at ignored rows)
+    tp: torch.Tensor | None  # each sorted row's target's sorted position (the forward's), or None
+    vpos: torch.Tensor  # each class's sorted position
+    pos: torch.Tensor  # arange(N)
+    valid_s: torch.Tensor  # the sorted rows below n_valid
+    alpha_s: torch.Tensor
+    beta_s: torch.Tensor
+    lse_s: torch.Tensor
+    eta_s: torch.Tensor | None
+    gamma: torch.Tensor  # loss_coefficients' gamma, in the problem's row order
+    smooth: bool
+    lam: float  # 1 / temperature
+    cap_t: float  # softcap_T = lam softcap
+    bias_t: torch.Tensor | None  # lam bias
+    vscore_t: torch.Tensor  # lam vscore
+    BN: int
+    BV: int
+    nt: int  # vocabulary tiles of BV classes
+
+    @property
+    def N(self) -> int:
+        return self.r.N
+
+    def sort(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (one value per problem row) in the sorted row order, contiguous."""
+        return x.index_select(0, self.r.perm).contiguous()
+
+
+def _sparse_step(
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None,
+    rows: torch.Tensor | None, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+    h: torch.Tensor | None, ignore_index: int, softcap: float, label_smoothing: float, z_loss: float,
+    vperm: torch.Tensor, vscore: torch.Tensor, u: torch.Tensor | None, delta: torch.Tensor | None,
+    entropy: torch.Tensor | None, order: torch.Tensor | None, n_valid: torch.Tensor | None,
+    temperature: float,
+) -> _SparseStep:  # fmt: skip
+    """The step's _SparseStep: loss_coefficients' coefficients, the row order (the forward's
+    ``order`` where given, else made here) and the coefficients, lse and targets in it."""
+    V = c.shape[0]
+    dev = e2d.device
     alpha, beta, gamma, eta, smooth = loss_coefficients(
         weight, targets, lse, g, h, ignore_index, label_smoothing, z_loss, V, u, delta, entropy, temperature
     )
-    # The host-side estimates' view of the tempered logits (above): lam x + lam bias, softcap_T.
+    # The host-side estimates' view of the tempered logits (sparse_backward): lam x + lam bias, softcap_T.
     lam = 1.0 / temperature
     cap_t = softcap * lam
     bias_t = bias if bias is None or lam == 1.0 else bias.float() * lam
@@ -253,12 +334,24 @@ def sparse_backward(
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     alpha_s, beta_s, lse_s = srt(alpha.float()), srt(beta.float()), srt(lse)
     eta_s = None if eta is None else srt(eta.float())
-    N = r.N
     BN, BV = stats_blocks(e2d.dtype)
-    nt = -(-V // BV)
-    cm_fwd = cmeans if cmeans is not None and cmeans.numel() > 0 else None
-    pos = torch.arange(N, device=dev)
+    pos = torch.arange(r.N, device=dev)
     valid_s = pos < r.n_valid
+    return _SparseStep(
+        r, t_s, tp, vpos, pos, valid_s, alpha_s, beta_s, lse_s, eta_s, gamma, smooth, lam, cap_t, bias_t,
+        vscore_t, BN, BV, -(-V // BV),
+    )  # fmt: skip
+
+
+def _stash_and_codes(
+    e2d: torch.Tensor, st: _SparseStep, stash: torch.Tensor | None, code: torch.Tensor, need_de: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(stash, src, code): dE's buffer (the forward's ``stash``, a new one where it is None or
+    empty; None without dE), the sorted row of each e2d row for dE's final move (None without
+    dE), and the codes [N, n_tiles] (read from the stash's tail where ``code`` is not of that
+    shape)."""
+    N, nt = st.N, st.nt
+    dev = e2d.device
     src = None
     if need_de:
         if stash is None or stash.numel() == 0:
@@ -266,79 +359,144 @@ def sparse_backward(
         # dE's rows move from the sorted order to e2d's at the end: the sorted row of each e2d
         # row, -1 for ignored rows and rows outside ``rows`` (gradient 0).
         src = torch.full((e2d.shape[0],), -1, dtype=torch.long, device=dev)
-        src.index_copy_(0, r.erow_s, torch.where(valid_s, pos, -1))
+        src.index_copy_(0, st.r.erow_s, torch.where(st.valid_s, st.pos, -1))
     else:
         stash = None
     code_in_stash = tuple(code.shape) != (N, nt)
     if code_in_stash:
         code = stash_code(stash, N, nt)
+    return stash, src, code
+
+
+def _target_coef(st: _SparseStep, zt_s: torch.Tensor, softcap: float) -> torch.Tensor:
+    """coef, fp32 [N] per sorted row: the target entry's dZ (``zt_s``: the sorted rows' target
+    logits, the forward's)."""
     # The target entries, exact: (p_t (alpha [+ eta z_t]) - beta) softcap'(z_t); 0 at ignored rows.
-    a_t = alpha_s if eta_s is None else alpha_s + eta_s * zt_s
-    coef = a_t * torch.exp(zt_s - lse_s) - beta_s
+    a_t = st.alpha_s if st.eta_s is None else st.alpha_s + st.eta_s * zt_s
+    coef = a_t * torch.exp(zt_s - st.lse_s) - st.beta_s
     if softcap > 0:
-        coef = coef * (1.0 - (zt_s / cap_t) ** 2)
-    coef = torch.where(valid_s, coef, 0.0)
-    keep = keep.bool()
-    sp = slab_plan(
-        N, V, D, e2d.dtype, need_dc, dense_slabs, dense_kept, slab_error, slab_error_dc, dense_slab_bytes,
-        first_order,
-    )  # fmt: skip
-    tps = sp.tiles_per_slab
-    dense = live = fo = cm = decided = None
+        coef = coef * (1.0 - (zt_s / st.cap_t) ** 2)
+    return torch.where(st.valid_s, coef, 0.0)
+
+
+def _shared_terms(
+    st: _SparseStep, code: torch.Tensor, need_dc: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(q, slog): the mean-row spread of the dC corrections (slab_choice.mean_row_spread; None
+    without dC) and the skipped tiles' entropy terms (tile_stats.skipped_slogs; None without
+    eta)."""
     # Read by several of the step's parts, made once (host time of a step at small N or on one
-    # rank's block, docs/benchmarks.md): each class's sorted position (vpos, above), the
+    # rank's block, docs/benchmarks.md): each class's sorted position (st.vpos), the
     # mean-row spread of the dC corrections, and the tiles' skipped masses summed over the rows.
-    q = mean_row_spread(vscore_t, nt, BV) if need_dc else None
+    q = mean_row_spread(st.vscore_t, st.nt, st.BV) if need_dc else None
     # The entropy's term of the skipped tiles' corrections, S_ij (zbar_ij - lse_i + log BV), once
     # per step (read by the dense-slab rule's row sampling, _dc_inputs and the dE writer).
-    slog = None if eta_s is None else skipped_slogs(code, lse_s, cap_t, BV)
-    masses = None
-    if sp.rule:
-        errors = None
-        if sp.measured:
-            if sp.first_order_cost is not None:
-                # (At a cost of the slab count or more the rule never turns the terms on: their
-                # operands, D x D buffers, and gated launches are then left out: slab_plan.)
-                cm = tile_means(c, vperm, BV, f32) if cm_fwd is None else cm_fwd
-                if need_dc:
-                    masses = tile_masses(code)
-            # (dC's estimates only where dC is wanted.)
-            errors = slab_errors(
-                e2d, c, bias_t, r.erow_s, t_s, lse_s, alpha_s, beta_s, code, keep, vperm, r.n_valid, cap_t,
-                BN, BV, tps * BV, cm=cm, vscore=vscore_t if sp.dc_rule else None, coef_t=coef, eta_s=eta_s,
-                vpos=vpos, q=q, M=masses, logit_scale=lam, slog=slog,
-            )  # fmt: skip
-        dense, flag = dense_slab_flags(
-            code, keep, r.n_valid, BN, tps, dense_kept, slab_error, errors, sp.first_order_cost,
-            slab_error_dc=slab_error_dc,
+    slog = None if st.eta_s is None else skipped_slogs(code, st.lse_s, st.cap_t, st.BV)
+    return q, slog
+
+
+@dataclasses.dataclass
+class _SlabRule:
+    """The device's dense-slab decision (_dense_slab_rule) and what the first-order terms read;
+    every field None where the rule does not run."""
+
+    dense: torch.Tensor | None = None  # int8 [n_slabs]: 1 for the slabs done densely
+    flag: torch.Tensor | None = None  # int32 [1]: the first-order terms' flag
+    decided: HostPeek | None = None  # dense and flag on their way to the host
+    live: torch.Tensor | None = None  # bool [n_tiles]: the tiles outside dense slabs
+    cm: torch.Tensor | None = None  # the tile means of C where the first-order terms may apply
+    masses: torch.Tensor | None = None  # slab_choice.tile_masses, with those terms and dC
+
+
+def _dense_slab_rule(
+    e2d: torch.Tensor, c: torch.Tensor, vperm: torch.Tensor, st: _SparseStep, sp: SlabPlan,
+    code: torch.Tensor, keep: torch.Tensor, coef: torch.Tensor, q: torch.Tensor | None,
+    slog: torch.Tensor | None, cm_fwd: torch.Tensor | None, need_dc: bool, dense_kept: float,
+    slab_error: float, slab_error_dc: float, host_gating: bool,
+) -> _SlabRule:  # fmt: skip
+    """The _SlabRule where ``sp`` runs the rule (dense_slab_flags, with slab_errors' estimates
+    where ``sp.measured``), an empty one otherwise. The dense slabs' tiles are taken out of
+    ``keep`` (in place). ``cm_fwd``: the forward's tile means of C, or None."""
+    if not sp.rule:
+        return _SlabRule()
+    tps = sp.tiles_per_slab
+    errors = cm = masses = None
+    if sp.measured:
+        if sp.first_order_cost is not None:
+            # (At a cost of the slab count or more the rule never turns the terms on: their
+            # operands, D x D buffers, and gated launches are then left out: slab_plan.)
+            cm = tile_means(c, vperm, st.BV, torch.float32) if cm_fwd is None else cm_fwd
+            if need_dc:
+                masses = tile_masses(code)
+        # (dC's estimates only where dC is wanted.)
+        errors = slab_errors(
+            e2d, c, st.bias_t, st.r.erow_s, st.t_s, st.lse_s, st.alpha_s, st.beta_s, code, keep, vperm,
+            st.r.n_valid, st.cap_t, st.BN, st.BV, tps * st.BV, cm=cm,
+            vscore=st.vscore_t if sp.dc_rule else None, coef_t=coef, eta_s=st.eta_s, vpos=st.vpos, q=q,
+            M=masses, logit_scale=st.lam, slog=slog,
         )  # fmt: skip
-        del errors
-        # The decisions on their way to the host: the launches they gate off are not issued
-        # where they have arrived in time (host_peek.py; the same gradients either way).
-        decided = HostPeek(dense, flag, enabled=host_gating)
-        # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
-        # and _dc_inputs mask them; the forward's codes are not modified).
-        live = (dense == 0).repeat_interleave(tps)[:nt]
-        keep &= live[None, :]
-    gamma_s = srt(gamma.float()) if smooth else None
+    dense, flag = dense_slab_flags(
+        code, keep, st.r.n_valid, st.BN, tps, dense_kept, slab_error, errors, sp.first_order_cost,
+        slab_error_dc=slab_error_dc,
+    )  # fmt: skip
+    del errors
+    # The decisions on their way to the host: the launches they gate off are not issued
+    # where they have arrived in time (host_peek.py; the same gradients either way).
+    decided = HostPeek(dense, flag, enabled=host_gating)
+    # The dense tiles leave the plan: not kept, and their codes read as no mass (the kernels
+    # and _dc_inputs mask them; the forward's codes are not modified).
+    live = (dense == 0).repeat_interleave(tps)[: st.nt]
+    keep &= live[None, :]
+    return _SlabRule(dense, flag, decided, live, cm, masses)
+
+
+def _sparse_plan(
+    e2d: torch.Tensor, c: torch.Tensor, weight: torch.Tensor | None, vperm: torch.Tensor, st: _SparseStep,
+    code: torch.Tensor, keep: torch.Tensor, coef: torch.Tensor, q: torch.Tensor | None,
+    slog: torch.Tensor | None, rule: _SlabRule, need_de: bool, need_dc: bool, dc_scratch_tiles: int | None,
+) -> tuple[KS.SparsePlan, torch.Tensor | None]:  # fmt: skip
+    """(plan, gamma_s): the step's SparsePlan (the dE writer's tile lists and smoothing term,
+    _dc_inputs' dC writer inputs, the kept tiles' scratch slots, the first-order terms) and
+    the sorted rows' smoothing coefficients (None without smoothing)."""
+    V = c.shape[0]
+    gamma_s = st.sort(st.gamma.float()) if st.smooth else None
     w = None
-    if smooth:
-        w = weight.float() if weight is not None else torch.ones(V, dtype=f32, device=dev)
+    if st.smooth:
+        w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=e2d.device)
     list_e = cnt_e = wc = None
     dc_in = (None,) * 9
     if need_de:
         list_e, cnt_e = compact_lists(keep)
-        if smooth:
+        if st.smooth:
             wc = weighted_rows(w, c)
     srow = None
     if need_dc:
         dc_in, srow = _dc_inputs(
-            e2d, r, valid_s, keep, code, alpha_s, coef, t_s, vpos, q, gamma, BV, live, cm is not None, eta_s,
-            slog, lse_s, tp,
+            e2d, st.r, st.valid_s, keep, code, st.alpha_s, coef, st.t_s, st.vpos, q, st.gamma, st.BV,
+            rule.live, rule.cm is not None, st.eta_s, slog, st.lse_s, st.tp,
         )  # fmt: skip
+    gidx, klist, n_kept = _kept_scratch(keep, st.N, e2d.dtype, dc_scratch_tiles, need_dc)
+    fo, fo_pending = _first_order_plan(e2d, c, vperm, st, rule, srow, need_dc)
+    del srow
+    # dC's inputs (list_c to seg): owned by the plan alone once it is returned, released after dC.
+    list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
+    plan = KS.SparsePlan(
+        keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
+        ge, gidx.view(keep.shape), klist, n_kept, fo, fo_pending, slog,
+    )  # fmt: skip
+    return plan, gamma_s
+
+
+def _kept_scratch(
+    keep: torch.Tensor, N: int, dtype: torch.dtype, dc_scratch_tiles: int | None, need_dc: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gidx, klist, n_kept), see kernels.backward_sparse.SparsePlan: each kept tile's index among
+    the kept ones (int32, ``keep`` flattened), the flat index of each of the first ones with a dC
+    scratch slot, and their count (int32 [1])."""
+    dev = keep.device
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
-    cap = KS.kept_scratch_tiles(N, e2d.dtype, dc_scratch_tiles) if need_dc else 0
+    cap = KS.kept_scratch_tiles(N, dtype, dc_scratch_tiles) if need_dc else 0
     kflat = keep.reshape(-1)
     gidx = (kflat.cumsum(0) - 1).to(torch.int32)
     slot = torch.where(kflat & (gidx < cap), gidx.long(), cap)
@@ -347,40 +505,30 @@ def sparse_backward(
     )
     del slot
     n_kept = kflat.sum(dtype=torch.int32).reshape(1)
-    fo_pending = None
-    if cm is not None:
-        # (After the host work above, so that the device's flag has had time to reach the host:
-        # where it says 0 the terms' operands and gated launches are left out, as the flag would
-        # make them no-ops. Where it has not arrived, the operands are built after the dC writer's
-        # launch, where it has had longer: KS.PendingFirstOrder.)
-        seen = decided.get()
-        dc_args = (e2d, r.erow_s, srow, masses, live, vpos) if need_dc else None
-        if seen is None:
-            fo_pending = KS.PendingFirstOrder(
-                flag, functools.partial(_first_order, c, cm, vperm, flag, BV, dc_args, lam)
-            )
-        elif int(seen[1][0]) != 0:
-            fo = _first_order(c, cm, vperm, flag, BV, dc_args, lam)
-        del srow, dc_args
-    list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
-    del dc_in
-    plan = KS.SparsePlan(
-        keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
-        ge, gidx.view(keep.shape), klist, n_kept, fo, fo_pending, slog,
-    )  # fmt: skip
-    del list_c, cnt_c, G, q, trow, tpos, tcoef, seg  # owned by the plan: released after dC
-    dz_bound = None
-    if eta_s is not None and dense is not None and e2d.dtype == torch.float16:
-        dz_bound = fp16_dz_bound(alpha_s, eta_s, lse_s, srt(entropy.float()))
-    dE, dC = KS.linear_ce_backward_sparse(
-        e2d, c, bias, weight, r.erow_s, t_s, vperm, r.n_valid, lse_s, alpha_s, gamma_s, plan, softcap,
-        need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
-        move_bytes=move_bytes, dense=dense, tiles_per_slab=tps, eta=eta_s, dz_bound=dz_bound,
-        cm=cm_fwd if cm is None else cm, decided=decided, temperature=temperature,
-    )  # fmt: skip
-    if return_plan:
-        return dE, dC, plan
-    return dE, dC
+    return gidx, klist, n_kept
+
+
+def _first_order_plan(
+    e2d: torch.Tensor, c: torch.Tensor, vperm: torch.Tensor, st: _SparseStep, rule: _SlabRule,
+    srow: torch.Tensor | None, need_dc: bool,
+) -> tuple[FirstOrder | None, KS.PendingFirstOrder | None]:  # fmt: skip
+    """(fo, fo_pending): the first-order terms (_first_order) where their flag has reached the host
+    set, their builder where it has not arrived (KS.PendingFirstOrder), else (None, None), as
+    where the rule has not made them a candidate (``rule.cm`` None). ``srow``: _dc_inputs'."""
+    if rule.cm is None:
+        return None, None
+    # (Called after the plan's other host work, so that the device's flag has had time to reach
+    # the host: where it says 0 the terms' operands and gated launches are left out, as the flag
+    # would make them no-ops. Where it has not arrived, the operands are built after the dC
+    # writer's launch, where it has had longer: KS.PendingFirstOrder.)
+    seen = rule.decided.get()
+    dc_args = (e2d, st.r.erow_s, srow, rule.masses, rule.live, st.vpos) if need_dc else None
+    if seen is None:
+        build = functools.partial(_first_order, c, rule.cm, vperm, rule.flag, st.BV, dc_args, st.lam)
+        return None, KS.PendingFirstOrder(rule.flag, build)
+    if int(seen[1][0]) != 0:
+        return _first_order(c, rule.cm, vperm, rule.flag, st.BV, dc_args, st.lam), None
+    return None, None
 
 
 def first_order_terms(c, cm, vperm, flag, BV: int, lam: float = 1.0) -> FirstOrder:

@@ -26,6 +26,7 @@ from ...._dispatch import num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
+    KernelConfig,
     add_target_lo,
     aligned_parts,
     check_inputs,
@@ -317,21 +318,10 @@ def linear_ce_backward_exact(
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
-    simple = not need_dbias and tma_rows_ok(c)
-    tma = (simple and use_tma(e2d, c)) if tma is None else tma
-    if tma and not simple:
-        raise ValueError("tma=True: no bias gradient, 16-byte aligned classifier rows")
-    cfg = config(e2d.dtype, "fwd" if tma else "bwd")
+    tma, cfg, n_slab, max_splits = _exact_geometry(e2d, c, N, need_dbias, slab_bytes, tma)
     n_blocks = triton.cdiv(N, cfg.BLOCK_N)
     n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
     f32 = torch.float32
-    esz = e2d.element_size()
-    n_slab = slab_tiles(N, n_vtiles, cfg.BLOCK_V, esz, slab_bytes)
-    if tma:
-        max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * num_sms(dev), n_blocks))
-        if max_splits <= n_slab < n_vtiles:
-            # A whole number of tiles per split (the splits are the grid's waves of equal programs).
-            n_slab = min(n_vtiles, round(n_slab / max_splits) * max_splits)
     slab = n_slab * cfg.BLOCK_V
     dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
     # Every slab writes all of its rows of dC (no memset of V x D) unless there are no rows at all.
@@ -390,3 +380,26 @@ def linear_ce_backward_exact(
     if lo is not None:
         add_target_lo(e2d, c, torch.arange(N, device=dev), tgt, lo, dE, None)
     return out
+
+
+def _exact_geometry(
+    e2d: torch.Tensor, c: torch.Tensor, N: int, need_dbias: bool, slab_bytes: int, tma: bool | None
+) -> tuple[bool, KernelConfig, int, int]:
+    """(tma, the kernels' config, tiles per dZ slab, vocabulary splits per TMA launch) of
+    linear_ce_backward_exact: ``tma`` resolved (None: common.use_tma, without a bias gradient)
+    and checked; slabs of at most ``slab_bytes``."""
+    simple = not need_dbias and tma_rows_ok(c)
+    tma = (simple and use_tma(e2d, c)) if tma is None else tma
+    if tma and not simple:
+        raise ValueError("tma=True: no bias gradient, 16-byte aligned classifier rows")
+    cfg = config(e2d.dtype, "fwd" if tma else "bwd")
+    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    n_vtiles = triton.cdiv(c.shape[0], cfg.BLOCK_V)
+    n_slab = slab_tiles(N, n_vtiles, cfg.BLOCK_V, e2d.element_size(), slab_bytes)
+    max_splits = 1
+    if tma:
+        max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * num_sms(e2d.device), n_blocks))
+        if max_splits <= n_slab < n_vtiles:
+            # A whole number of tiles per split (the splits are the grid's waves of equal programs).
+            n_slab = min(n_vtiles, round(n_slab / max_splits) * max_splits)
+    return tma, cfg, n_slab, max_splits

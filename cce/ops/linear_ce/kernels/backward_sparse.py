@@ -14,8 +14,9 @@ docs/design.md states the error bound.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import triton
@@ -25,6 +26,7 @@ from ...._dispatch import interpreting
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
+    KernelConfig,
     add_dc_targets,
     check_inputs,
     config,
@@ -525,6 +527,161 @@ def kept_scratch_tiles(N: int, dtype: torch.dtype, tiles: int | None = None) -> 
     return 2 * triton.cdiv(N, stats_blocks(dtype)[0])
 
 
+class _Geometry(NamedTuple):
+    """What every launch of one sparse backward shares (linear_ce_backward_sparse makes it)."""
+
+    common: dict[str, Any]  # the problem's operands, as every kernel here takes them
+    ctx: AbstractContextManager[Any]  # the launches' device context
+    cfg: KernelConfig  # the forward's tiles: n_blocks token blocks of the N sorted rows x n_vtiles
+    N: int
+    D: int
+    n_blocks: int
+    n_vtiles: int
+    scale_dz: bool  # (fp16) the kept tiles' dZ are stored scaled, an fp32 scale per tile
+
+
+class _DeSlots(NamedTuple):
+    """The dE writer's kept-tile slots, S per token block (_de_slots)."""
+
+    slots: torch.Tensor  # [n_blocks * S, BLOCK_N, BLOCK_V]
+    scale: torch.Tensor | None  # their fp32 scales where scale_dz, else None
+    S: int
+    in_stash: bool  # whether the slots are in the stash's tail (else a buffer of their own)
+    code_in_stash: bool  # whether plan.code is the stash's tail
+    protect: Callable[[int], int]  # stash.stash_layout's
+    free: int  # the stash's elements before the slots (or the codes), free for the dC writer's slots
+
+
+def _de_slots(g: _Geometry, e2d: torch.Tensor, plan: SparsePlan, stash: torch.Tensor, S: int) -> _DeSlots:
+    """The dE writer's kept-tile slots (_DeSlots), filled with their dZ by _kept_dz_block_kernel."""
+    cfg, dev, n_blocks, BN, BV = g.cfg, e2d.device, g.n_blocks, g.cfg.BLOCK_N, g.cfg.BLOCK_V
+    tile = BN * BV
+    code_in_stash = shares_memory(plan.code, stash)
+    # The stash's tail: [kept-tile slots of the dE writer, S per block][codes]. The slots go
+    # there when they fit, else to a separate buffer (small D).
+    code_bytes = g.n_vtiles if code_in_stash else 0
+    A0, code_lo, protect = stash_layout(g.N, e2d.shape[0], g.D, e2d.element_size(), code_bytes, BN, BV, S)
+    slots_in_stash = A0 is not None
+    if slots_in_stash:
+        slots = stash.view(-1)[A0 : A0 + n_blocks * S * tile].view(n_blocks * S, BN, BV)
+        free = A0
+    else:
+        slots = torch.empty((n_blocks * S, BN, BV), dtype=e2d.dtype, device=dev)
+        free = code_lo
+    slot_scale = torch.empty(n_blocks * S, dtype=torch.float32, device=dev) if g.scale_dz else None
+    if S > 0:
+        with g.ctx:
+            _kept_dz_block_kernel[(n_blocks, S)](
+                ListE=plan.list_e, CntE=plan.cnt_e, Scratch=slots, ScaleBuf=slot_scale,
+                BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **g.common,
+            )  # fmt: skip
+    return _DeSlots(slots, slot_scale, S, slots_in_stash, code_in_stash, protect, free)
+
+
+def _write_dc(
+    g: _Geometry, e2d: torch.Tensor, c: torch.Tensor, weight: torch.Tensor | None, plan: SparsePlan,
+    stash: torch.Tensor | None, de: _DeSlots | None, dense: torch.Tensor | None, tiles_per_slab: int,
+    smooth: bool,
+) -> torch.Tensor:  # fmt: skip
+    """dC, newly allocated and written once by _sparse_dc_kernel; the first kept tiles' dZ go first
+    into a scratch: the stash's head with ``de`` (dE wanted), else a buffer of its own."""
+    cfg, dev, BN, BV = g.cfg, e2d.device, g.cfg.BLOCK_N, g.cfg.BLOCK_V
+    tile = BN * BV
+    BD, _, BDO_C, _, BR, warps = sparse_config()
+    free = e2d.numel() if de is None else de.free  # elements of the stash free for the dC writer's slots
+    cap = min(plan.klist.numel() - 1, free // tile)
+    if de is not None and cap > 0:
+        scratch = stash.view(-1)[: cap * tile].view(cap, BN, BV)
+    else:
+        scratch = torch.empty((cap, BN, BV), dtype=e2d.dtype, device=dev)
+    scalebuf = torch.empty(cap, dtype=torch.float32, device=dev) if g.scale_dz else None
+    if g.N > 0 and cap > 0:
+        with g.ctx:
+            _kept_dz_kernel[(cap,)](
+                KList=plan.klist, NKept=plan.n_kept, Scratch=scratch, ScaleBuf=scalebuf,
+                BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **g.common,
+            )  # fmt: skip
+    dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
+    pending = plan.fo_pending
+    fo_flag = plan.fo.flag if plan.fo is not None else None if pending is None else pending.flag
+    if g.n_vtiles > 0:
+        with g.ctx:
+            _sparse_dc_kernel[(g.n_vtiles * triton.cdiv(g.D, BDO_C),)](
+                W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
+                TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
+                Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense,
+                GFlag=fo_flag, dC=dC,
+                stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=g.n_blocks, cap=cap,
+                tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
+                BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=2, **g.common,
+            )  # fmt: skip
+    return dC
+
+
+def _decisions(
+    plan: SparsePlan, dense: torch.Tensor | None, decided: HostPeek | None
+) -> tuple[FirstOrder | None, torch.Tensor | None, list[int] | None]:
+    """(fo, dense, slabs): the first-order terms to apply (built here where pending), ``dense``
+    (None where no slab is dense) and the dense slabs for run_dense_slabs (None: all, gated)."""
+    # The device's decisions, where they have reached the host (else None: every gated launch).
+    seen = None if decided is None else decided.get()
+    # Whether the first-order terms' flag has reached the host as 0: their gated launches would
+    # be no-ops, and operands not built yet are left out (the flag has had the dC writer's issue
+    # time longer to arrive than at the plan).
+    fo_off = (
+        seen is not None and (plan.fo is not None or plan.fo_pending is not None) and int(seen[1][0]) == 0
+    )
+    if plan.fo_pending is not None:
+        if not fo_off:
+            plan.fo = plan.fo_pending.build()
+        plan.fo_pending = None
+    fo = None if fo_off else plan.fo
+    slabs = None if dense is None or seen is None else [s for s, d in enumerate(seen[0].tolist()) if d]
+    if slabs == []:
+        dense = None  # no slab is dense: the dE writer neither masks nor adds the slabs' part
+    return fo, dense, slabs
+
+
+def _write_de(
+    g: _Geometry, e2d: torch.Tensor, c: torch.Tensor, perm: torch.Tensor, stash: torch.Tensor,
+    plan: SparsePlan, de: _DeSlots, gamma: torch.Tensor | None, cm: torch.Tensor | None,
+    fo: FirstOrder | None, dense: torch.Tensor | None, de_acc: torch.Tensor | None, tiles_per_slab: int,
+) -> None:  # fmt: skip
+    """dE (N > 0), written once by _sparse_de_kernel into ``stash`` in sorted row order, in the
+    rounds of stash.de_rounds; ``cm``: the tile means in fp32, or None (made here)."""
+    N, D, BN, BV = g.N, g.D, g.cfg.BLOCK_N, g.cfg.BLOCK_V
+    BD, BDO_E, _, BJ, _, warps = sparse_config()
+    slots, slot_scale, S = de.slots, de.scale, de.S
+    # The tile means of C, all of D: [n_tiles, D], O(V D / BLOCK_V), alive through the pass.
+    if plan.fo is not None:
+        cm = plan.fo.cm
+    cm = tile_means(c, perm, BV, e2d.dtype) if cm is None else cm.to(e2d.dtype)
+    for a, b, last in de_rounds(N, D, BN, de.protect):
+        code, row0, sl, sl_scale, sl_blk0 = plan.code, 0, slots, slot_scale, 0
+        if last:  # copies of what the rows [a, N) read in the region they write
+            if de.code_in_stash:
+                code, row0 = plan.code[a:].clone(), a
+            sl_blk0 = a // BN
+            sl = slots[sl_blk0 * S :]
+            sl = sl.clone() if de.in_stash else sl
+            sl_scale = slot_scale[sl_blk0 * S :] if g.scale_dz else slot_scale
+        with g.ctx:
+            _sparse_de_kernel[(triton.cdiv(b - a, BN) * triton.cdiv(D, BDO_E),)](
+                Slog=plan.slog, Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e,
+                CntE=plan.cnt_e,
+                Cm=cm, WC=plan.wc if gamma is not None else None, Scratch=sl, ScaleBuf=sl_scale,
+                Dense=dense, DEAcc=de_acc, Gram=None if fo is None else fo.gram,
+                GScale=None if fo is None else fo.gscale, GFlag=None if fo is None else fo.flag,
+                dE=stash, tiles_per_slab=tiles_per_slab,
+                stride_de=stash.stride(0), stride_code=code.stride(0),
+                stride_cm=cm.stride(0), stride_acc=0 if de_acc is None else de_acc.stride(0),
+                blk0=a // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0], N_SLOTS=S,
+                BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ, STEPS=STATS_STEPS, num_warps=warps,
+                num_stages=2, **g.common,
+            )  # fmt: skip
+        del code, sl, sl_scale
+
+
 def linear_ce_backward_sparse(
     e2d: torch.Tensor,
     c: torch.Tensor,
@@ -592,15 +749,13 @@ def linear_ce_backward_sparse(
     check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma, eta)
     N = erow.numel()
     V, D = c.shape
-    dev = e2d.device
     cfg = config(e2d.dtype, "fwd")
     BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
     n_blocks, n_vtiles = triton.cdiv(N, BN), triton.cdiv(V, BV)
-    BD, BDO_E, BDO_C, BJ, BR, warps = sparse_config()
     smooth = gamma is not None
     scale_dz = e2d.dtype == torch.float16
     prec = precision(e2d.dtype)
-    ctx = device_context(dev)
+    ctx = device_context(e2d.device)
     # The problem's operands, as every kernel here takes them.
     common = dict(
         E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
@@ -608,86 +763,20 @@ def linear_ce_backward_sparse(
         softcap=float(softcap), HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature,
         HAS_TEMP=temperature != 1.0, SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, PRECISION=prec,
     )  # fmt: skip
-    dE = dC = None
-    S = de_block_slots if need_de and N > 0 else 0
-    tile = BN * BV
-    free = e2d.numel()  # elements of the stash free for the dC writer's slots
+    g = _Geometry(common, ctx, cfg, N, D, n_blocks, n_vtiles, scale_dz)
+    de = None
     if need_de:
         if stash is None or src is None or stash.shape != e2d.shape or stash.dtype != e2d.dtype:
             raise ValueError("need_de needs a stash of e2d's shape and dtype and its row map src")
-        code_in_stash = shares_memory(plan.code, stash)
-        # The stash's tail: [kept-tile slots of the dE writer, S per block][codes]. The slots go
-        # there when they fit, else to a separate buffer (small D).
-        flat = stash.view(-1)
-        M, es = e2d.shape[0], e2d.element_size()
-        code_bytes = n_vtiles if code_in_stash else 0
-        A0, code_lo, protect = stash_layout(N, M, D, es, code_bytes, BN, BV, S)
-        slots_in_stash = A0 is not None
-        if slots_in_stash:
-            slots = flat[A0 : A0 + n_blocks * S * tile].view(n_blocks * S, BN, BV)
-            free = A0
-        else:
-            slots = torch.empty((n_blocks * S, BN, BV), dtype=e2d.dtype, device=dev)
-            free = code_lo
-        slot_scale = torch.empty(n_blocks * S, dtype=torch.float32, device=dev) if scale_dz else None
-        if S > 0:
-            with ctx:
-                _kept_dz_block_kernel[(n_blocks, S)](
-                    ListE=plan.list_e, CntE=plan.cnt_e, Scratch=slots, ScaleBuf=slot_scale,
-                    BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-                )  # fmt: skip
-    if need_dc:
-        cap = min(plan.klist.numel() - 1, free // tile)
-        if need_de and cap > 0:
-            scratch = stash.view(-1)[: cap * tile].view(cap, BN, BV)
-        else:
-            scratch = torch.empty((cap, BN, BV), dtype=e2d.dtype, device=dev)
-        scalebuf = torch.empty(cap, dtype=torch.float32, device=dev) if scale_dz else None
-        if N > 0 and cap > 0:
-            with ctx:
-                _kept_dz_kernel[(cap,)](
-                    KList=plan.klist, NKept=plan.n_kept, Scratch=scratch, ScaleBuf=scalebuf,
-                    BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
-                )  # fmt: skip
-        if dC is None:
-            dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
-        pending = plan.fo_pending
-        fo_flag = plan.fo.flag if plan.fo is not None else None if pending is None else pending.flag
-        if V > 0:
-            with ctx:
-                _sparse_dc_kernel[(n_vtiles * triton.cdiv(D, BDO_C),)](
-                    W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
-                    TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
-                    Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense,
-                    GFlag=fo_flag, dC=dC,
-                    stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=n_blocks, cap=cap,
-                    tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
-                    BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=2, **common,
-                )  # fmt: skip
-        del scratch, scalebuf
+        de = _de_slots(g, e2d, plan, stash, de_block_slots if N > 0 else 0)
+    dC = _write_dc(g, e2d, c, weight, plan, stash, de, dense, tiles_per_slab, smooth) if need_dc else None
+    fo, dense, slabs = _decisions(plan, dense, decided)
     de_acc = None
-    # The device's decisions, where they have reached the host (else None: every gated launch).
-    seen = None if decided is None else decided.get()
-    # Whether the first-order terms' flag has reached the host as 0: their gated launches would
-    # be no-ops, and operands not built yet are left out (the flag has had the dC writer's issue
-    # time longer to arrive than at the plan).
-    fo_off = (
-        seen is not None and (plan.fo is not None or plan.fo_pending is not None) and int(seen[1][0]) == 0
-    )
-    if plan.fo_pending is not None:
-        if not fo_off:
-            plan.fo = plan.fo_pending.build()
-        plan.fo_pending = None
-    fo = None if fo_off else plan.fo
-    if dense is not None:
-        slabs = None if seen is None else [s for s, d in enumerate(seen[0].tolist()) if d]
-        if slabs == []:
-            dense = None  # no slab is dense: the dE writer neither masks nor adds the slabs' part
     if dense is not None:
         # After the sparse dC writer (independent of it: it masks the dense slabs' tiles), so that
         # the slabs' gated launches are issued while the GPU runs it.
         if need_de:
-            de_acc = torch.zeros((N, D), dtype=torch.float32, device=dev)
+            de_acc = torch.zeros((N, D), dtype=torch.float32, device=e2d.device)
         run_dense_slabs(
             e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
             (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
@@ -700,38 +789,10 @@ def linear_ce_backward_sparse(
         plan.gidx = plan.klist = None
         if plan.fo is not None:
             plan.fo.H = plan.fo.rate = plan.fo.tile_of = None
-    if need_de:
-        if N > 0:
-            # The tile means of C, all of D: [n_tiles, D], O(V D / BLOCK_V), alive through the pass.
-            if plan.fo is not None:
-                cm = plan.fo.cm
-            cm = tile_means(c, perm, BV, e2d.dtype) if cm is None else cm.to(e2d.dtype)
-            for a, b, last in de_rounds(N, D, BN, protect):
-                code, row0, sl, sl_scale, sl_blk0 = plan.code, 0, slots, slot_scale, 0
-                if last:  # copies of what the rows [a, N) read in the region they write
-                    if code_in_stash:
-                        code, row0 = plan.code[a:].clone(), a
-                    sl_blk0 = a // BN
-                    sl = slots[sl_blk0 * S :]
-                    sl = sl.clone() if slots_in_stash else sl
-                    sl_scale = slot_scale[sl_blk0 * S :] if scale_dz else slot_scale
-                with ctx:
-                    _sparse_de_kernel[(triton.cdiv(b - a, BN) * triton.cdiv(D, BDO_E),)](
-                        Slog=plan.slog, Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e,
-                        CntE=plan.cnt_e,
-                        Cm=cm, WC=plan.wc if smooth else None, Scratch=sl, ScaleBuf=sl_scale,
-                        Dense=dense, DEAcc=de_acc, Gram=None if fo is None else fo.gram,
-                        GScale=None if fo is None else fo.gscale, GFlag=None if fo is None else fo.flag,
-                        dE=stash, tiles_per_slab=tiles_per_slab,
-                        stride_de=stash.stride(0), stride_code=code.stride(0),
-                        stride_cm=cm.stride(0), stride_acc=0 if de_acc is None else de_acc.stride(0),
-                        blk0=a // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0], N_SLOTS=S,
-                        BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ, STEPS=STATS_STEPS, num_warps=warps,
-                        num_stages=2, **common,
-                    )  # fmt: skip
-                del code, sl, sl_scale
-            del cm
-        del slots, slot_scale, de_acc
-        to_e_rows(stash, src, move_bytes)
-        dE = stash
-    return dE, dC
+    if not need_de:
+        return None, dC
+    if N > 0:
+        _write_de(g, e2d, c, perm, stash, plan, de, gamma, cm, fo, dense, de_acc, tiles_per_slab)
+    del de, de_acc
+    to_e_rows(stash, src, move_bytes)
+    return stash, dC

@@ -27,6 +27,8 @@ past V likewise (the slab buffer is reused, and a stale entry would meet a maske
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,7 @@ from ...._dispatch import interpreting, num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
+    KernelConfig,
     add_dc_targets,
     config,
     device_context,
@@ -352,28 +355,13 @@ def _gather_slab_kernel(
 
 
 def run_dense_slabs(
-    e2d: torch.Tensor,
-    c: torch.Tensor,
-    bias: torch.Tensor | None,
-    erow: torch.Tensor,
-    tgt: torch.Tensor,
-    perm: torch.Tensor,
-    n_valid: torch.Tensor,
-    lse: torch.Tensor,
-    alpha: torch.Tensor,
-    dense: torch.Tensor,
-    tiles_per_slab: int,
-    softcap: float,
-    de_acc: torch.Tensor | None,
-    dC: torch.Tensor | None,
-    targets_by_tile: tuple | None = None,
-    weight: torch.Tensor | None = None,
-    ge: torch.Tensor | None = None,
-    eta: torch.Tensor | None = None,
-    dz_bound: torch.Tensor | None = None,
-    slabs: list[int] | None = None,
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, erow: torch.Tensor, tgt: torch.Tensor,
+    perm: torch.Tensor, n_valid: torch.Tensor, lse: torch.Tensor, alpha: torch.Tensor, dense: torch.Tensor,
+    tiles_per_slab: int, softcap: float, de_acc: torch.Tensor | None, dC: torch.Tensor | None,
+    targets_by_tile: tuple | None = None, weight: torch.Tensor | None = None, ge: torch.Tensor | None = None,
+    eta: torch.Tensor | None = None, dz_bound: torch.Tensor | None = None, slabs: list[int] | None = None,
     temperature: float = 1.0,
-) -> None:
+) -> None:  # fmt: skip
     """The dense slabs' part of the gradients (module docstring): dE of the sorted rows added to
     ``de_acc`` (fp32 [N, D]), dC's rows of the dense slabs' classes written into ``dC``. ``dense``
     (int8 [n_slabs], on the device) says which slabs; every launch happens, a sparse slab's
@@ -386,90 +374,205 @@ def run_dense_slabs(
     launches only; they still read ``dense``), None: every slab's launches. ``temperature``: the
     logits are softcap(x) / T (``alpha``, ``eta`` and the target coefficients carry its 1 / T)."""
     N = erow.numel()
-    V, D = c.shape
+    V = c.shape[0]
     if N == 0 or V == 0 or (de_acc is None and dC is None):
         return
-    cfg = config(e2d.dtype, "fwd")
-    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    launch = _slab_launch(e2d, c)
+    BV = launch.cfg.BLOCK_V
     n_vtiles = triton.cdiv(V, BV)
-    tma = use_tma(e2d, c)
-    BM, BDO, BK, warps, stages = dense_config(tma)
-    BR = 16 if interpreting() else 32
-    split = split_dot(e2d.device)
-    if BV % BM:
-        raise ValueError(f"the dC tiles ({BM} classes) must divide the vocabulary tiles ({BV})")
     width_max = tiles_per_slab * BV
-    dev = e2d.device
-    # (Not zeroed: a dense slab's launches write every entry its GEMMs read, and a memset of
-    # both buffers on every step costs ~0.1 ms at N = 8192 whether a slab is dense or not.)
-    DZ = torch.empty((N, width_max), dtype=e2d.dtype, device=dev)
-    scale = inv = None
-    if e2d.dtype == torch.float16:
-        scale = (alpha.abs() if dz_bound is None else dz_bound).amax().clamp(min=1e-30).reshape(1)
-        inv = (1.0 / scale).contiguous()
-    prec = precision(e2d.dtype)
+    DZ, scale, inv = _slab_dz_buffer(e2d, alpha, dz_bound, N, width_max)
     seg = trow = tpos = tcoef = None
     if dC is not None:
         if targets_by_tile is None:
             raise ValueError("dC needs targets_by_tile")
         seg, trow, tpos, tcoef = targets_by_tile
-    if tma:
-        # Hopper: every operand by tensor descriptors, the sorted rows gathered once and a dense
-        # slab's classes into C_slab (a gated copy, zeros past V up to the tile's end). The
-        # descriptors span the whole buffers; the GEMMs read the last slab's buffers only up to
-        # its last tile's end (nt * BV rows of C_slab, columns of dZ), which its launches write.
-        TD = tensor_descriptor()
-        E_s = e2d.index_select(0, erow)
-        C_slab = torch.empty((width_max, D), dtype=c.dtype, device=dev)
-        e_dz = TD.from_tensor(E_s, [BN, cfg.BLOCK_D])
-        e_dc = TD.from_tensor(E_s, [BK, BDO])
-        dz_de = TD.from_tensor(DZ, [BM, BK])
-        dz_dc = TD.from_tensor(DZ, [BK, BM])
-        c_dz, c_de = TD.from_tensor(C_slab, [BV, cfg.BLOCK_D]), TD.from_tensor(C_slab, [BK, BDO])
-    GK = 64  # classes per program of the gather
-    with device_context(dev):
+    tma_ops = _tma_operands(e2d, c, erow, DZ, width_max, launch) if launch.tma else None
+    with device_context(e2d.device):
         for s, t0 in enumerate(range(0, n_vtiles, tiles_per_slab)):
             if slabs is not None and s not in slabs:
                 continue
             nt = min(tiles_per_slab, n_vtiles - t0)
             v0 = t0 * BV
             width = min(V, (t0 + nt) * BV) - v0
-            if tma:
-                _gather_slab_kernel[(triton.cdiv(nt * BV, GK),)](
-                    C=c, Perm=perm[v0:], Dense=dense, Out=C_slab, D=D, stride_c=c.stride(0),
-                    stride_o=C_slab.stride(0), slab=s, width=width, rows=nt * BV, BLOCK_K=GK, BLOCK_DO=128,
-                    num_warps=4,
+            if tma_ops is not None:
+                _launch_slab_dz_tma(
+                    c, bias, tgt, perm, n_valid, lse, alpha, eta, dense, DZ, inv, softcap, temperature,
+                    launch, tma_ops, s, v0, width, nt,
                 )  # fmt: skip
-                _slab_dz_tma_kernel[(triton.cdiv(N, BN), nt)](
-                    Ed=e_dz, Cd=c_dz, Bias=bias, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
-                    Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_dz=DZ.stride(0), slab=s,
-                    v0=v0, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature,
-                    HAS_TEMP=temperature != 1.0, BLOCK_N=BN, BLOCK_V=BV,
-                    BLOCK_D=cfg.BLOCK_D, PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                )  # fmt: skip
-                de_d, dc_d = (dz_de, c_de), (dz_dc, e_dc)
+                de_d, dc_d = tma_ops.de_d, tma_ops.dc_d
             else:
-                _slab_dz_kernel[(triton.cdiv(N, BN), nt)](
-                    E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse,
-                    Alpha=alpha, Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
-                    stride_c=c.stride(0), stride_dz=DZ.stride(0), slab=s, tile0=t0, softcap=float(softcap),
-                    HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0,
-                    BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                _launch_slab_dz(
+                    e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, eta, dense, DZ, inv, softcap,
+                    temperature, launch, s, t0, nt,
                 )  # fmt: skip
                 de_d = dc_d = (None, None)
-            de_blocks = triton.cdiv(N, BM) if de_acc is not None else 0
-            dc_blocks = triton.cdiv(width, BM) if dC is not None else 0
-            _slab_grads_kernel[(de_blocks + dc_blocks, triton.cdiv(D, BDO))](
-                DZ=DZ, C=c, E=e2d, Erow=erow, Perm=perm, NValid=n_valid, Dense=dense, Scale=scale,
-                DEAcc=de_acc, dC=dC, DZd=de_d[0], Cd=de_d[1], DZtd=dc_d[0], Ed=dc_d[1], Seg=seg, TRow=trow,
-                TPos=tpos, TCoef=tcoef, W=weight, GE=ge, D=D, stride_dz=DZ.stride(0), stride_c=c.stride(0),
-                stride_e=e2d.stride(0), stride_de=0 if de_acc is None else de_acc.stride(0),
-                stride_dc=0 if dC is None else dC.stride(0), slab=s, v0=v0, width=width,
-                de_blocks=de_blocks, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV,
-                BLOCK_R=BR, SPLIT_DOT=split, PRECISION=prec, num_warps=warps,
-                num_stages=stages,
+            _launch_slab_grads(
+                e2d, c, erow, perm, n_valid, dense, DZ, scale, de_acc, dC, (seg, trow, tpos, tcoef), weight,
+                ge, launch, de_d, dc_d, s, v0, width,
             )  # fmt: skip
+
+
+class _SlabLaunch(NamedTuple):
+    """The launch settings that the slabs of one run_dense_slabs call share (_slab_launch)."""
+
+    cfg: KernelConfig  # the forward's tiles (config "fwd")
+    tma: bool  # operands read by tensor descriptors (use_tma)
+    BM: int  # dense_config(tma): BLOCK_M, BLOCK_DO, BLOCK_K, num_warps, num_stages of the GEMMs
+    BDO: int
+    BK: int
+    warps: int
+    stages: int
+    BR: int  # add_dc_targets' BLOCK_R
+    split: bool  # add_dc_targets' SPLIT_DOT
+    prec: str  # tl.dot's input precision of the operands
+
+
+class _TmaOperands(NamedTuple):
+    """Hopper: the buffer and tensor descriptors that run_dense_slabs' launches read (_tma_operands)."""
+
+    C_slab: torch.Tensor  # [width_max, D] a dense slab's classes, gathered by its launches
+    e_dz: object  # the sorted rows E_s in the dZ launch's tiles
+    c_dz: object  # C_slab in the dZ launch's tiles
+    de_d: tuple  # (DZ, C_slab) in the dE GEMM's tiles
+    dc_d: tuple  # (DZ, E_s) in the dC GEMM's tiles
+
+
+def _slab_launch(e2d: torch.Tensor, c: torch.Tensor) -> _SlabLaunch:
+    """The _SlabLaunch of run_dense_slabs' operands; ValueError where dC's class blocks do not
+    divide the vocabulary tiles."""
+    cfg = config(e2d.dtype, "fwd")
+    BV = cfg.BLOCK_V
+    tma = use_tma(e2d, c)
+    BM, BDO, BK, warps, stages = dense_config(tma)
+    BR = 16 if interpreting() else 32
+    split = split_dot(e2d.device)
+    if BV % BM:
+        raise ValueError(f"the dC tiles ({BM} classes) must divide the vocabulary tiles ({BV})")
+    return _SlabLaunch(cfg, tma, BM, BDO, BK, warps, stages, BR, split, precision(e2d.dtype))
+
+
+def _slab_dz_buffer(
+    e2d: torch.Tensor, alpha: torch.Tensor, dz_bound: torch.Tensor | None, N: int, width_max: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(DZ, scale, inv): the slabs' dZ buffer [N, width_max] in the operand dtype, and with fp16
+    operands dZ's scale (fp32 [1]: max |alpha|, or of ``dz_bound``) and its inverse, else None."""
+    # (Not zeroed: a dense slab's launches write every entry its GEMMs read, and a memset of
+    # both buffers on every step costs ~0.1 ms at N = 8192 whether a slab is dense or not.)
+    DZ = torch.empty((N, width_max), dtype=e2d.dtype, device=e2d.device)
+    scale = inv = None
+    if e2d.dtype == torch.float16:
+        scale = (alpha.abs() if dz_bound is None else dz_bound).amax().clamp(min=1e-30).reshape(1)
+        inv = (1.0 / scale).contiguous()
+    return DZ, scale, inv
+
+
+def _tma_operands(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    erow: torch.Tensor,
+    DZ: torch.Tensor,
+    width_max: int,
+    launch: _SlabLaunch,
+) -> _TmaOperands:
+    """The _TmaOperands of run_dense_slabs' launches on Hopper (``launch.tma``)."""
+    D = c.shape[1]
+    dev = e2d.device
+    cfg, BM, BDO, BK = launch.cfg, launch.BM, launch.BDO, launch.BK
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    # Hopper: every operand by tensor descriptors, the sorted rows gathered once and a dense
+    # slab's classes into C_slab (a gated copy, zeros past V up to the tile's end). The
+    # descriptors span the whole buffers; the GEMMs read the last slab's buffers only up to
+    # its last tile's end (nt * BV rows of C_slab, columns of dZ), which its launches write.
+    TD = tensor_descriptor()
+    E_s = e2d.index_select(0, erow)
+    C_slab = torch.empty((width_max, D), dtype=c.dtype, device=dev)
+    e_dz = TD.from_tensor(E_s, [BN, cfg.BLOCK_D])
+    e_dc = TD.from_tensor(E_s, [BK, BDO])
+    dz_de = TD.from_tensor(DZ, [BM, BK])
+    dz_dc = TD.from_tensor(DZ, [BK, BM])
+    c_dz, c_de = TD.from_tensor(C_slab, [BV, cfg.BLOCK_D]), TD.from_tensor(C_slab, [BK, BDO])
+    return _TmaOperands(C_slab, e_dz, c_dz, (dz_de, c_de), (dz_dc, e_dc))
+
+
+def _launch_slab_dz(
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, erow: torch.Tensor, tgt: torch.Tensor,
+    perm: torch.Tensor, n_valid: torch.Tensor, lse: torch.Tensor, alpha: torch.Tensor,
+    eta: torch.Tensor | None, dense: torch.Tensor, DZ: torch.Tensor, inv: torch.Tensor | None, softcap: float,
+    temperature: float, launch: _SlabLaunch, s: int, t0: int, nt: int,
+) -> None:  # fmt: skip
+    """Launches _slab_dz_kernel: slab s's dZ (its ``nt`` tiles from tile ``t0`` of the sorted
+    vocabulary) into DZ, the operands read by pointers; returns nothing."""
+    N = erow.numel()
+    V, D = c.shape
+    cfg, prec = launch.cfg, launch.prec
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    _slab_dz_kernel[(triton.cdiv(N, BN), nt)](
+        E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse,
+        Alpha=alpha, Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_e=e2d.stride(0),
+        stride_c=c.stride(0), stride_dz=DZ.stride(0), slab=s, tile0=t0, softcap=float(softcap),
+        HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0,
+        BLOCK_N=BN, BLOCK_V=BV, BLOCK_D=cfg.BLOCK_D, PRECISION=prec,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _launch_slab_dz_tma(
+    c: torch.Tensor, bias: torch.Tensor | None, tgt: torch.Tensor, perm: torch.Tensor, n_valid: torch.Tensor,
+    lse: torch.Tensor, alpha: torch.Tensor, eta: torch.Tensor | None, dense: torch.Tensor, DZ: torch.Tensor,
+    inv: torch.Tensor | None, softcap: float, temperature: float, launch: _SlabLaunch,
+    tma_ops: _TmaOperands, s: int, v0: int, width: int, nt: int,
+) -> None:  # fmt: skip
+    """Launches _gather_slab_kernel and _slab_dz_tma_kernel (Hopper): slab s's classes (``width``
+    sorted positions from ``v0``, ``nt`` tiles) into tma_ops.C_slab, then its dZ into DZ from the
+    descriptors; returns nothing."""
+    N = DZ.shape[0]
+    V, D = c.shape
+    cfg, prec = launch.cfg, launch.prec
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    C_slab, e_dz, c_dz = tma_ops.C_slab, tma_ops.e_dz, tma_ops.c_dz
+    GK = 64  # classes per program of the gather
+    _gather_slab_kernel[(triton.cdiv(nt * BV, GK),)](
+        C=c, Perm=perm[v0:], Dense=dense, Out=C_slab, D=D, stride_c=c.stride(0),
+        stride_o=C_slab.stride(0), slab=s, width=width, rows=nt * BV, BLOCK_K=GK, BLOCK_DO=128,
+        num_warps=4,
+    )  # fmt: skip
+    _slab_dz_tma_kernel[(triton.cdiv(N, BN), nt)](
+        Ed=e_dz, Cd=c_dz, Bias=bias, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
+        Eta=eta, Dense=dense, DZ=DZ, Inv=inv, N=N, V=V, D=D, stride_dz=DZ.stride(0), slab=s,
+        v0=v0, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature,
+        HAS_TEMP=temperature != 1.0, BLOCK_N=BN, BLOCK_V=BV,
+        BLOCK_D=cfg.BLOCK_D, PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _launch_slab_grads(
+    e2d: torch.Tensor, c: torch.Tensor, erow: torch.Tensor, perm: torch.Tensor, n_valid: torch.Tensor,
+    dense: torch.Tensor, DZ: torch.Tensor, scale: torch.Tensor | None, de_acc: torch.Tensor | None,
+    dC: torch.Tensor | None, targets: tuple, weight: torch.Tensor | None, ge: torch.Tensor | None,
+    launch: _SlabLaunch, de_d: tuple, dc_d: tuple, s: int, v0: int, width: int,
+) -> None:  # fmt: skip
+    """Launches _slab_grads_kernel: slab s's dE (``width`` sorted positions from ``v0``) added to
+    de_acc and its classes' dC rows written, with the target (and smoothing) terms of ``targets``
+    = (seg, trow, tpos, tcoef); ``de_d``, ``dc_d``: the GEMMs' descriptors (Hopper) or
+    (None, None). Returns nothing."""
+    N = erow.numel()
+    D = c.shape[1]
+    cfg, tma, BM, BDO, BK, warps, stages, BR, split, prec = launch
+    BV = cfg.BLOCK_V
+    seg, trow, tpos, tcoef = targets
+    de_blocks = triton.cdiv(N, BM) if de_acc is not None else 0
+    dc_blocks = triton.cdiv(width, BM) if dC is not None else 0
+    _slab_grads_kernel[(de_blocks + dc_blocks, triton.cdiv(D, BDO))](
+        DZ=DZ, C=c, E=e2d, Erow=erow, Perm=perm, NValid=n_valid, Dense=dense, Scale=scale,
+        DEAcc=de_acc, dC=dC, DZd=de_d[0], Cd=de_d[1], DZtd=dc_d[0], Ed=dc_d[1], Seg=seg, TRow=trow,
+        TPos=tpos, TCoef=tcoef, W=weight, GE=ge, D=D, stride_dz=DZ.stride(0), stride_c=c.stride(0),
+        stride_e=e2d.stride(0), stride_de=0 if de_acc is None else de_acc.stride(0),
+        stride_dc=0 if dC is None else dC.stride(0), slab=s, v0=v0, width=width,
+        de_blocks=de_blocks, USE_TMA=tma, BLOCK_M=BM, BLOCK_DO=BDO, BLOCK_K=BK, BLOCK_V=BV,
+        BLOCK_R=BR, SPLIT_DOT=split, PRECISION=prec, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
 
 
 @cached_launch

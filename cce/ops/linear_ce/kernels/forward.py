@@ -24,6 +24,7 @@ from ...._dispatch import interpreting, num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
+    KernelConfig,
     check_inputs,
     config,
     device_context,
@@ -468,7 +469,126 @@ def linear_ce_forward(
     STORE_Q), in sorted row order.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
-    N = erow.numel()
+    p = _fwd_plan(e2d, c, erow.numel(), perm, eps, q, qm, tma, programs_per_sm, slab_bytes)
+    f = _FwdCall(
+        e2d=e2d, c=c, bias=bias, weight=weight, erow=erow, tgt=tgt, n_valid=n_valid, perm=perm,
+        softcap=softcap, smoothing=smoothing, eps=eps, temperature=temperature, entropy=entropy,
+        argmax=argmax, q=q, qm=qm,
+    )  # fmt: skip
+    b = _fwd_buffers(f, p, tpos)
+    m0, cm = _fwd_walk(f, p, b)
+    # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
+    # m = -inf, S = 0 everywhere and are zeroed through `done`.
+    lse, tl_, ss, m0 = merge_splits(b.Mx, b.Se, b.Ss, b.zt, m0)
+    ent, amax = _fwd_entropy_argmax(f, p, b)
+    return FwdStats(lse, tl_, ss, b.St, b.Sq, m0, ent, amax, cm)
+
+
+@dataclass
+class _FwdCall:
+    """The inputs and options of one linear_ce_forward call (as documented there)."""
+
+    e2d: torch.Tensor
+    c: torch.Tensor
+    bias: torch.Tensor | None
+    weight: torch.Tensor | None
+    erow: torch.Tensor
+    tgt: torch.Tensor
+    n_valid: torch.Tensor
+    perm: torch.Tensor | None
+    softcap: float
+    smoothing: bool
+    eps: float
+    temperature: float
+    entropy: bool
+    argmax: bool
+    q: torch.Tensor | None
+    qm: torch.Tensor | None
+
+
+@dataclass
+class _FwdPlan:
+    """The launch geometry of one forward: N rows in n_blocks token blocks, the vocabulary V in
+    n_vtiles tiles (``cfg``), with the tile statistics (``stats``, the head tile first: ``head``
+    = 1) or not, by tensor descriptors (``tma``; ``TD`` their class) or pointers, over ``slabs``
+    of tiles [lo, hi), at most ``max_splits`` vocabulary splits per launch."""
+
+    cfg: KernelConfig
+    N: int
+    V: int
+    D: int
+    n_blocks: int
+    n_vtiles: int
+    stats: bool
+    tma: bool
+    TD: type | None
+    max_splits: int
+    head: int
+    slabs: list[tuple[int, int]]
+
+    def split(self, lo: int, hi: int) -> int:
+        """Splits of a launch over tiles [lo, hi) (balanced: their sizes differ by one at most)."""
+        return min(hi - lo, self.max_splits)
+
+    @property
+    def parts(self) -> int:
+        """Rows of the partial statistics: the head tile's, then every launch's splits."""
+        head = self.head
+        return head + sum(self.split(max(lo, head), hi) for lo, hi in self.slabs if hi > max(lo, head))
+
+
+@dataclass
+class _FwdBufs:
+    """The tensors of the launches: the partial statistics [parts, N] (Mx, Se, Ss, Hs, Ax, Ix),
+    the target logits ``zt`` and positions ``tpos``, the tile statistics St / Sq and tiles' means
+    ``cm`` (or None), the E argument ``e_arg`` (e2d, or a descriptor of its gathered rows) and
+    the slab buffer ``c_buf`` (or None)."""
+
+    tpos: torch.Tensor
+    Mx: torch.Tensor
+    Se: torch.Tensor
+    Ss: torch.Tensor | None
+    Hs: torch.Tensor | None
+    Ax: torch.Tensor | None
+    Ix: torch.Tensor | None
+    zt: torch.Tensor
+    St: torch.Tensor | None
+    Sq: torch.Tensor | None
+    e_arg: object
+    c_buf: torch.Tensor | None
+    cm: torch.Tensor | None
+
+
+def _fwd_tma(
+    e2d: torch.Tensor, c: torch.Tensor, N: int, stats: bool, tma: bool | None
+) -> tuple[bool, type | None]:
+    """(tma, the tensor descriptor class or None without tma): ``tma`` resolved (None: use_tma,
+    for a sorted walk from FWD_TMA_SORTED_MIN_N rows on) and checked."""
+    D = c.shape[1]
+    if tma is None:
+        tma = use_tma(e2d, c) and (not stats or N >= FWD_TMA_SORTED_MIN_N)
+    TD = tensor_descriptor() if tma else None
+    if tma and TD is None:
+        raise ValueError("tma=True needs triton.tools.tensor_descriptor")
+    if tma and (D * e2d.element_size()) % 16 != 0:
+        raise ValueError(f"tma=True needs rows of a multiple of 16 bytes, got D = {D}")
+    return tma, TD
+
+
+def _fwd_plan(
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    N: int,
+    perm: torch.Tensor | None,
+    eps: float,
+    q: torch.Tensor | None,
+    qm: torch.Tensor | None,
+    tma: bool | None,
+    programs_per_sm: int | None,
+    slab_bytes: int | None,
+) -> _FwdPlan:
+    """The launch geometry of linear_ce_forward's arguments (ValueError where the options do not
+    go together)."""
     V, D = c.shape
     dev = e2d.device
     cfg = config(e2d.dtype, "fwd")
@@ -480,13 +600,7 @@ def linear_ce_forward(
         raise ValueError("q and qm go together, and not with the tile statistics (perm)")
     if q is not None and (q.shape[0] < N or q.shape[1] < V or q.stride(1) != 1 or qm.shape != (N, n_vtiles)):
         raise ValueError(f"q must be [N, >= V] with unit column stride and qm [N, {n_vtiles}]")
-    if tma is None:
-        tma = use_tma(e2d, c) and (not stats or N >= FWD_TMA_SORTED_MIN_N)
-    TD = tensor_descriptor() if tma else None
-    if tma and TD is None:
-        raise ValueError("tma=True needs triton.tools.tensor_descriptor")
-    if tma and (D * e2d.element_size()) % 16 != 0:
-        raise ValueError(f"tma=True needs rows of a multiple of 16 bytes, got D = {D}")
+    tma, TD = _fwd_tma(e2d, c, N, stats, tma)
     pps = programs_per_sm or (FWD_PROGRAMS_PER_SM_TMA if tma else FWD_PROGRAMS_PER_SM)
     max_splits = max(1, triton.cdiv(pps * num_sms(dev), max(n_blocks, 1)))
     head = 1 if stats else 0
@@ -497,118 +611,161 @@ def linear_ce_forward(
         slabs = [(lo, min(lo + slab_tiles, n_vtiles)) for lo in range(0, n_vtiles, slab_tiles)]
     else:
         slabs = [(0, n_vtiles)]
+    if stats and not eps > 0:
+        raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
+    return _FwdPlan(cfg, N, V, D, n_blocks, n_vtiles, stats, tma, TD, max_splits, head, slabs)
 
-    def split(lo: int, hi: int) -> int:
-        # splits of a launch over tiles [lo, hi) (balanced: their sizes differ by one at most)
-        return min(hi - lo, max_splits)
 
-    parts = head + sum(split(max(lo, head), hi) for lo, hi in slabs if hi > max(lo, head))
+def _fwd_tma_operands(f: _FwdCall, p: _FwdPlan) -> tuple[object, torch.Tensor | None]:
+    """(E argument, slab buffer or None): with TMA (and rows) a descriptor of the rows e2d[erow]
+    gathered once, and where C is read through slab copies an empty buffer of the first slab's
+    rows (as large as any other slab); else e2d and None."""
+    e_arg = f.e2d
+    c_buf = None
+    if p.tma and p.N > 0:
+        e_arg = p.TD.from_tensor(f.e2d.index_select(0, f.erow), [p.cfg.BLOCK_N, p.cfg.BLOCK_D])
+        if len(p.slabs) > 1 or p.stats or not tma_rows_ok(f.c):
+            rows = min(p.V, p.slabs[0][1] * p.cfg.BLOCK_V)
+            c_buf = torch.empty((rows, p.D), dtype=f.c.dtype, device=f.e2d.device)
+    return e_arg, c_buf
 
+
+def _fwd_buffers(f: _FwdCall, p: _FwdPlan, tpos: torch.Tensor | None) -> _FwdBufs:
+    """The launches' tensors (_FwdBufs): each sorted row's target position in ``perm`` (with the
+    tile statistics; ``tpos`` where the caller has it) else its target, the partial statistics at
+    their neutral values (Mx and Ax -inf, the sums 0), the outputs, and the TMA operands."""
+    N, n_vtiles, stats, dev = p.N, p.n_vtiles, p.stats, f.e2d.device
+    parts = p.parts
     f32 = torch.float32
     if stats:
-        if not eps > 0:
-            raise ValueError(f"the tile statistics need a filter threshold eps > 0, got {eps}")
         if tpos is None:
-            tpos = inverse_permutation(perm).index_select(0, tgt)
+            tpos = inverse_permutation(f.perm).index_select(0, f.tgt)
     else:
-        tpos = tgt
+        tpos = f.tgt
     Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
     Se = torch.zeros((parts, N), dtype=f32, device=dev)
-    Ss = torch.zeros((parts, N), dtype=f32, device=dev) if smoothing else None
-    Hs = torch.zeros((parts, N), dtype=f32, device=dev) if entropy else None
-    Ax = torch.full((parts, N), float("-inf"), dtype=f32, device=dev) if argmax else None
-    Ix = torch.zeros((parts, N), dtype=torch.int32, device=dev) if argmax else None
+    Ss = torch.zeros((parts, N), dtype=f32, device=dev) if f.smoothing else None
+    Hs = torch.zeros((parts, N), dtype=f32, device=dev) if f.entropy else None
+    Ax = torch.full((parts, N), float("-inf"), dtype=f32, device=dev) if f.argmax else None
+    Ix = torch.zeros((parts, N), dtype=torch.int32, device=dev) if f.argmax else None
     zt = torch.empty(N, dtype=f32, device=dev)
     St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev) if stats else None
     Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev) if stats else None
-    e_arg = e2d
-    c_buf = None
-    if tma and N > 0:
-        e_arg = TD.from_tensor(e2d.index_select(0, erow), [BN, cfg.BLOCK_D])
-        if len(slabs) > 1 or stats or not tma_rows_ok(c):
-            c_buf = torch.empty((min(V, slabs[0][1] * BV), D), dtype=c.dtype, device=dev)
-    # The tiles' means: filled by the slab copies where there are some (else one pass, below).
-    cm = torch.empty((n_vtiles, D), dtype=f32, device=dev) if stats and c_buf is not None else None
+    e_arg, c_buf = _fwd_tma_operands(f, p)
+    # The tiles' means: filled by the slab copies where there are some (else one pass, _fwd_walk).
+    cm = torch.empty((n_vtiles, p.D), dtype=f32, device=dev) if stats and c_buf is not None else None
+    return _FwdBufs(tpos, Mx, Se, Ss, Hs, Ax, Ix, zt, St, Sq, e_arg, c_buf, cm)
 
-    def slab_operand(lo: int, hi: int):
-        # (C argument, first tile it holds) for the slab of tiles [lo, hi): with TMA a
-        # descriptor of c itself or of the slab's rows gathered into c_buf.
-        if not tma:
-            return c, 0
-        if c_buf is None:
-            return TD.from_tensor(c, [BV, cfg.BLOCK_D]), 0
-        v0, v1 = lo * BV, min(hi * BV, V)
-        buf = c_buf[: v1 - v0]
-        if stats:  # (the copy's pass over the rows gives the tiles' means too)
-            gather_tile_means(c, perm, lo, hi, BV, buf, cm)
-        else:
-            buf.copy_(c[v0:v1])
-        return TD.from_tensor(buf, [BV, cfg.BLOCK_D]), lo
 
-    def launch(c_arg, tile0, grid, part0, tile_lo, tile_hi, m0):
-        _fwd_kernel[grid](
-            E=e_arg, C=c_arg, Bias=bias, W=weight if smoothing else None, Erow=erow,
-            TPos=tpos if stats else None, Zt=zt, NValid=n_valid, Perm=perm, M0=m0,
-            Mx=Mx[part0:], Se=Se[part0:], Ss=None if Ss is None else Ss[part0:], St=St, Sq=Sq,
-            Hs=None if Hs is None else Hs[part0:], Ax=None if Ax is None else Ax[part0:],
-            Ix=None if Ix is None else Ix[part0:], Q=q, Qm=qm,
-            N=N, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), stride_part=N,
-            stride_st=n_vtiles, stride_q=0 if q is None else q.stride(0), n_vtiles=n_vtiles,
-            tile_lo=tile_lo, tile_hi=tile_hi, n_splits=grid[1],
-            desc_tile0=tile0, softcap=float(softcap), log_eps=math.log(eps) if stats else 0.0,
-            inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0,
-            HAS_SOFTCAP=softcap > 0, EVEN_V=V % BV == 0, TMA=tma, BLOCK_N=BN, BLOCK_V=BV,
-            BLOCK_D=cfg.BLOCK_D, PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )  # fmt: skip
+def _slab_operand(f: _FwdCall, p: _FwdPlan, b: _FwdBufs, lo: int, hi: int) -> tuple[object, int]:
+    """(C argument, first tile it holds) for the slab of tiles [lo, hi): with TMA a descriptor of c
+    itself or of the slab's rows gathered into c_buf."""
+    c, BV, BLOCK_D, V = f.c, p.cfg.BLOCK_V, p.cfg.BLOCK_D, p.V
+    if not p.tma:
+        return c, 0
+    if b.c_buf is None:
+        return p.TD.from_tensor(c, [BV, BLOCK_D]), 0
+    v0, v1 = lo * BV, min(hi * BV, V)
+    buf = b.c_buf[: v1 - v0]
+    if p.stats:  # (the copy's pass over the rows gives the tiles' means too)
+        gather_tile_means(c, f.perm, lo, hi, BV, buf, b.cm)
+    else:
+        buf.copy_(c[v0:v1])
+    return p.TD.from_tensor(buf, [BV, BLOCK_D]), lo
 
+
+def _launch_fwd(
+    f: _FwdCall,
+    p: _FwdPlan,
+    b: _FwdBufs,
+    c_arg: object,
+    tile0: int,
+    grid: tuple[int, int],
+    part0: int,
+    tile_lo: int,
+    tile_hi: int,
+    m0: torch.Tensor | None,
+) -> None:
+    """One _fwd_kernel launch over tiles [tile_lo, tile_hi) in grid[1] splits, into the partial
+    rows from ``part0`` on; C read through ``c_arg`` (holding the tiles from ``tile0`` on)."""
+    stats, cfg, q, temperature = p.stats, p.cfg, f.q, f.temperature
+    Ss, Hs, Ax, Ix = b.Ss, b.Hs, b.Ax, b.Ix
+    _fwd_kernel[grid](
+        E=b.e_arg, C=c_arg, Bias=f.bias, W=f.weight if f.smoothing else None, Erow=f.erow,
+        TPos=b.tpos if stats else None, Zt=b.zt, NValid=f.n_valid, Perm=f.perm, M0=m0,
+        Mx=b.Mx[part0:], Se=b.Se[part0:], Ss=None if Ss is None else Ss[part0:], St=b.St, Sq=b.Sq,
+        Hs=None if Hs is None else Hs[part0:], Ax=None if Ax is None else Ax[part0:],
+        Ix=None if Ix is None else Ix[part0:], Q=q, Qm=f.qm,
+        N=p.N, V=p.V, D=p.D, stride_e=f.e2d.stride(0), stride_c=f.c.stride(0), stride_part=p.N,
+        stride_st=p.n_vtiles, stride_q=0 if q is None else q.stride(0), n_vtiles=p.n_vtiles,
+        tile_lo=tile_lo, tile_hi=tile_hi, n_splits=grid[1],
+        desc_tile0=tile0, softcap=float(f.softcap), log_eps=math.log(f.eps) if stats else 0.0,
+        inv_temp=1.0 / temperature, HAS_TEMP=temperature != 1.0,
+        HAS_SOFTCAP=f.softcap > 0, EVEN_V=p.V % cfg.BLOCK_V == 0, TMA=p.tma, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D, PRECISION=precision(f.e2d.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _fwd_walk(f: _FwdCall, p: _FwdPlan, b: _FwdBufs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The launches: the target logits, then per slab the head tile (tile statistics) and the
+    slab's other tiles in splits, filling b's partials. Returns (m0, cm): the head tile's
+    log-sum-exp and the tiles' means of C (both None without the tile statistics)."""
+    N, head, stats = p.N, p.head, p.stats
     m0 = None
-    with device_context(dev):
+    cm = b.cm
+    with device_context(f.e2d.device):
         if N > 0:
             # The target logits first, by a kernel of their own (N x D reads): the tile epilogue
             # then needs no per-entry target extraction.
-            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt, temperature)
+            target_logits(f.e2d, f.c, f.bias, f.erow, f.tgt, f.n_valid, f.softcap, b.zt, f.temperature)
         part = head
-        for lo, hi in slabs if N > 0 else ():
-            c_arg, tile0 = slab_operand(lo, hi)
+        for lo, hi in p.slabs if N > 0 else ():
+            c_arg, tile0 = _slab_operand(f, p, b, lo, hi)
             if stats and lo == 0:
-                launch(c_arg, tile0, (n_blocks, 1), 0, 0, 1, None)
+                _launch_fwd(f, p, b, c_arg, tile0, (p.n_blocks, 1), 0, 0, 1, None)
                 # The head tile's log-sum-exp (rows past n_valid: -inf + log 0, never read).
-                m0 = Mx[0] + torch.log(Se[0])
+                m0 = b.Mx[0] + torch.log(b.Se[0])
             lo = max(lo, head)
             if hi > lo:
-                splits = split(lo, hi)
-                launch(c_arg, tile0, (n_blocks, splits), part, lo, hi, m0)
+                splits = p.split(lo, hi)
+                _launch_fwd(f, p, b, c_arg, tile0, (p.n_blocks, splits), part, lo, hi, m0)
                 part += splits
         if stats and m0 is None:  # N == 0
-            m0 = Mx[0] + torch.log(Se[0])
-        if stats and c_buf is None:  # (no slab copies: a pass of its own)
-            cm = tile_means(c, perm, BV, f32)
-    # Merge the splits: lse = M + log sum_s S_s exp(m_s - M). Rows never written (ignored) keep
-    # m = -inf, S = 0 everywhere and are zeroed through `done`.
-    lse, tl_, ss, m0 = merge_splits(Mx, Se, Ss, zt, m0)
+            m0 = b.Mx[0] + torch.log(b.Se[0])
+        if stats and b.c_buf is None:  # (no slab copies: a pass of its own)
+            cm = tile_means(f.c, f.perm, p.cfg.BLOCK_V, torch.float32)
+    return m0, cm
+
+
+def _fwd_entropy_argmax(
+    f: _FwdCall, p: _FwdPlan, b: _FwdBufs
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(entropy fp32 [N] or None, argmax int64 [N] or None) of the rows, merged from the splits'
+    partials (0 for rows never written)."""
+    Mx, Se, zt, stats = b.Mx, b.Se, b.zt, p.stats
     ent = amax = None
-    if entropy or argmax:
+    if f.entropy or f.argmax:
         M = Mx.max(0).values
         done = M != float("-inf")  # (NaN / +inf rows propagate, as in _merge_kernel)
         Mz = torch.where(done, M, 0.0)
         S = (Se * torch.exp(Mx - Mz)).sum(0)
-    if entropy:
+    if f.entropy:
         # H = log S - A / S with A = sum_s e^(m_s - M) (Hs_s + (m_s - M) Se_s) (the splits'
         # accumulators moved to the common max M; see _fwd_tile).
         w = torch.exp(Mx - Mz)
-        A = (w * (Hs + torch.where(Se > 0, (Mx - Mz) * Se, 0.0))).sum(0)
+        A = (w * (b.Hs + torch.where(Se > 0, (Mx - Mz) * Se, 0.0))).sum(0)
         Sd = torch.where(done, S, 1.0)
         ent = torch.where(done, torch.log(Sd) - A / Sd, 0.0)
-    if argmax:
+    if f.argmax:
         # the smallest id among the splits reaching the max (with the tile statistics the
         # target, kept out of the kernel's max, is one more candidate)
         big = torch.iinfo(torch.int32).max
-        A = Ax.amax(0)
+        A = b.Ax.amax(0)
         if stats:
             A = torch.maximum(A, zt)
-        amax = torch.where(Ax == A, Ix, big).amin(0).long()
+        amax = torch.where(b.Ax == A, b.Ix, big).amin(0).long()
         if stats:
-            amax = torch.where(zt == A, torch.minimum(amax, tgt), amax)
+            amax = torch.where(zt == A, torch.minimum(amax, f.tgt), amax)
         amax = torch.where(done, amax, 0)
-    return FwdStats(lse, tl_, ss, St, Sq, m0, ent, amax, cm)
+    return ent, amax

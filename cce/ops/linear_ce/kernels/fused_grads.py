@@ -237,21 +237,7 @@ def linear_ce_fused(
                 th_scale=temperature / softcap if softcap > 0 else 0.0, HAS_SOFTCAP=softcap > 0,
                 BLOCK_V=BV, num_warps=1 if BV <= 256 else 4,
             )  # fmt: skip
-            dz = qbuf[:k, :V]
-            ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
-            if dbias is not None:
-                dbias += torch.sum(dz, 0, dtype=f32)
-            dE_c = None
-            if dE is not None:
-                dE_c = (dE[s:t] if de_buf is None else de_buf[:k]).zero_()
-            for k0, k1 in aligned_parts(V):
-                slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dC, k0, None, accumulate_dc=s > 0)
-            if de_buf is not None:
-                r = None if rows is None else rows[s:t]
-                if lo is not None:
-                    _finish_de(dE_c, lo[s:t], c, safe_t[s:t], r, s, dE)
-                else:
-                    dE.index_copy_(0, r, dE_c)
+            _chunk_products(qbuf[:k, :V], e2d, c, rows, safe_t, lo, s, t, dE, de_buf, dC, dbias)
     if dbias is not None and lo is not None:
         dbias.index_add_(0, safe_t, lo)
     if f32_acc and dC is not None:
@@ -268,6 +254,30 @@ def linear_ce_fused(
     ent = cat("entropy") if entropy else None
     amx = cat("argmax", torch.long) if argmax else None
     return FusedOut(cat("lse"), cat("tgt"), ssum, dE, dC, dbias, ent, amx)
+
+
+def _chunk_products(
+    dz: torch.Tensor, e2d: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None, safe_t: torch.Tensor,
+    lo: torch.Tensor | None, s: int, t: int, dE: torch.Tensor | None, de_buf: torch.Tensor | None,
+    dC: torch.Tensor | None, dbias: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """The products of the chunk of problem rows [s, t) from its dZ [t - s, V]: dbias += its
+    column sums; dE's rows (in ``de_buf``'s fp32 rows, then finished into dE with the target
+    remainders ``lo``; de_buf None: in dE itself); dC written (first chunk) or accumulated."""
+    ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
+    if dbias is not None:
+        dbias += torch.sum(dz, 0, dtype=torch.float32)
+    dE_c = None
+    if dE is not None:
+        dE_c = (dE[s:t] if de_buf is None else de_buf[: t - s]).zero_()
+    for k0, k1 in aligned_parts(c.shape[0]):
+        slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dC, k0, None, accumulate_dc=s > 0)
+    if de_buf is not None:
+        r = None if rows is None else rows[s:t]
+        if lo is not None:
+            _finish_de(dE_c, lo[s:t], c, safe_t[s:t], r, s, dE)
+        else:
+            dE.index_copy_(0, r, dE_c)
 
 
 # out[rows[i]] = round(dE_i + lo_i c[t_i]) (rows None: out[row0 + i]) for the rows i of one
