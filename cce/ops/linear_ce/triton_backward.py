@@ -471,8 +471,11 @@ def _sparse_plan(
             wc = weighted_rows(w, c)
     srow = None
     if need_dc:
+        # (the rows' smoothing sum only with smoothing: without it gamma is 0, and the pass over
+        # E's rows would go unread)
+        gamma_dc = st.gamma if st.smooth else None
         dc_in, srow = _dc_inputs(
-            e2d, st.r, st.valid_s, keep, code, st.alpha_s, coef, st.t_s, st.vpos, q, st.gamma, st.BV,
+            e2d, st.r, st.valid_s, keep, code, st.alpha_s, coef, st.t_s, st.vpos, q, gamma_dc, st.BV,
             rule.live, rule.cm is not None, st.eta_s, slog, st.lse_s, st.tp,
         )  # fmt: skip
     gidx, klist, n_kept = _kept_scratch(keep, st.N, e2d.dtype, dc_scratch_tiles, need_dc)
