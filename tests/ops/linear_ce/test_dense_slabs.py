@@ -252,17 +252,22 @@ def test_error_rule_meets_its_target_when_every_row_is_sampled():
 )
 def test_all_dense_is_exact(dtype, opts, bias, weight):
     """Every slab dense (dense_kept = 0): the gradients of the exact path, for every option the
-    sparse backward takes (fp32: 1e-5, the fp32 GEMMs' rounding over D = 40; fp16: dZ is rounded
-    to fp16, 2^-11 relative, as in the exact path: 2e-3)."""
-    e, c, t = zipf_inputs(96, 40, 500, dtype=torch.float32, seed=4)
+    sparse backward takes (fp32: 1e-5, the fp32 GEMMs' rounding over D = 33; fp16: dZ is rounded
+    to fp16, 2^-11 relative, as in the exact path: 2e-3). N = 40 (more than ERROR_ROWS: the
+    rows are sampled; a partial last token block), V = 200 (a partial last tile), D = 33 (a
+    partial D chunk): 7 slabs of one fp32 tile (4 of two fp16 tiles) in the interpreter, and the
+    first-order terms a candidate of the rule (their cost, 6.5 slabs in fp32, below the slab
+    count), so that their estimates run too."""
+    N, D, V = 40, 33, 200
+    e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=4)
     t[::7] = -100
     g = torch.Generator().manual_seed(9)
-    b = (0.5 * torch.randn(500, generator=g)) if bias else None
-    w = (0.5 + torch.rand(500, generator=g)) if weight else None
+    b = (0.5 * torch.randn(V, generator=g)) if bias else None
+    w = (0.5 + torch.rand(V, generator=g)) if weight else None
     if opts.get("shift"):
-        e, t = e.reshape(2, 48, -1), t.reshape(2, 48)
+        e, t = e.reshape(2, N // 2, -1), t.reshape(2, N // 2)
     tu = Tuning(
-        backward="sparse", dense_slabs=True, dense_kept=0.0, dense_slab_bytes=96 * 2 * 64
+        backward="sparse", dense_slabs=True, dense_kept=0.0, dense_slab_bytes=N * 2 * 64
     )  # several slabs
     l1, e1, c1 = _grads(e.to(dtype), c.to(dtype), t, None if b is None else b.to(dtype), w, tuning=tu, **opts)
     l0, e0, c0 = _oracle(e.to(dtype), c.to(dtype), t, None if b is None else b.to(dtype), w, **opts)

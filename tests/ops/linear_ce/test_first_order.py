@@ -109,7 +109,7 @@ def test_slab_errors_first_order_against_float64():
     args = (e, c, None, r.erow_s, srt(r.safe_t), srt(out[1]), srt(alpha.float()), srt(beta.float()), out[2])
     rest = (out[3].bool(), out[5], r.n_valid, 0.0, BN, BV, width, 20)
     err, ref, fo = slab_errors(*args, *rest, cm=cm)[:3]
-    assert slab_errors(*args, *rest)[2] is None
+    assert slab_errors(*args, *rest[:-1], 2)[2] is None  # no cm, no fo (2 sampled rows show it)
     pos, scale = sample_rows(out[2], srt(alpha.float()), r.n_valid, 20)
     perm = out[5].long()
     Cs = c.double()[perm]
@@ -201,23 +201,27 @@ def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None, temperature
     return dE_e, dC
 
 
+# V: the first case (the default tier's) at 790 classes, 25 tiles (the last partial), where
+# every probability is below eps (at most 0.003) and the rule turns the terms on as at 1500; the
+# others at 1500 (at 790 the tempered logits' filter keeps tiles, and the entropy's rule makes the
+# slab dense; at 1000 too).
 @pytest.mark.parametrize(
-    "std,entropy,temp",
+    "std,entropy,temp,V",
     [
-        (0.2, False, 1.0), pytest.param(0.05, False, 1.0, marks=pytest.mark.slow), (0.2, True, 1.0),
-        (0.2, False, 0.7),
+        (0.2, False, 1.0, 790), pytest.param(0.05, False, 1.0, 1500, marks=pytest.mark.slow),
+        (0.2, True, 1.0, 1500), (0.2, False, 0.7, 1500),
     ],
 )  # fmt: skip
-def test_sparse_backward_with_first_order_is_the_model(std, entropy, temp, monkeypatch):
+def test_sparse_backward_with_first_order_is_the_model(std, entropy, temp, V, monkeypatch):
     """On near-uniform rows the rule turns the terms on (flag 1, no slab dense: their estimated
     error is within the target, the rank-1 corrections' is not), and the sparse backward then
     computes exactly the model: rank-1 corrections with an even dC spread plus alpha_i S_i Gbar e_i
     and rate_j delta_v H, from the forward's own decoded masses (float64 model; fp32 GEMMs over
-    D = 32 and 1500 classes: 2e-5). With ``entropy`` an upstream gradient on the entropy output
-    as well (loss - 0.3 H per row, random weights): the model's coefficients with eta. At a
-    temperature, the model of the tempered logits (every term times 1 / T where it is linear in
-    the logit)."""
-    N, D, V = 64, 32, 1500
+    D = 32 and up to 1500 classes: 2e-5). With ``entropy`` an upstream gradient on the entropy
+    output as well (loss - 0.3 H per row, random weights): the model's coefficients with eta. At
+    a temperature, the model of the tempered logits (every term times 1 / T where it is linear in
+    the logit). N = 64 > ERROR_ROWS: the rule's rows are sampled."""
+    N, D = 64, 32
     e, c, t = near_uniform_inputs(N, D, V, std=std)
     tu = Tuning(backward="sparse", dense_slabs=True)
     out = triton_training_forward(e, c, t, EPS, tu, temp)

@@ -230,11 +230,12 @@ def _filter_bound(e, c, t, eps, BN, BV, skip, perm):
 
 def test_filter_error_within_stated_bound():
     """With a coarse threshold most tiles are skipped; the recomputing backward's corrected error
-    obeys the bound (the sparse backward's has its own test, test_triton_sparse.py)."""
+    obeys the bound (the sparse backward's has its own test, test_triton_sparse.py). N = 40 rows
+    (3 token blocks, the last partial), V = 700 (22 tiles, the last partial; 59% skipped)."""
     from cce.ops.linear_ce.kernels.common import config
     from cce.ops.linear_ce.rows import RowOrder, vocab_order
 
-    e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=9)
+    e, c, t = zipf_inputs(40, 48, 700, dtype=torch.float32, seed=9)
     eps = 2e-3
 
     def grads(filter_eps):
