@@ -74,7 +74,7 @@ def _inputs(kind):
         return zipf_inputs(96, 32, 1500, dtype=torch.float32, seed=3), 2e-3
     # V = 200: 7 tiles in 4 slabs of 2 (the last tile and slab partial); the error rule makes the
     # first two dense (as the first two of 5 at V = 300), with N = 64 > ERROR_ROWS sampled rows
-    return near_uniform_inputs(40, 32, 200, std=0.3, seed=2), 2e-2
+    return near_uniform_inputs(64, 32, 200, std=0.3, seed=2), 2e-2
 
 
 @pytest.mark.parametrize(
