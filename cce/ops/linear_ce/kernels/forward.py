@@ -153,7 +153,10 @@ def _fwd_tile(
             q = pe * (1.0 - th * th)
         rows = offs_n.to(tl.int64)
         qptr = Q + rows[:, None] * stride_q + offs_p[None, :]  # [BLOCK_N, BLOCK_V]
-        tl.store(qptr, q.to(Q.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        # Q's rows are padded to a multiple of 16 classes (stride_q): the pad's columns take
+        # q = 0 (masked logits), and a mask in steps of 16 columns keeps the store vectorized
+        # at an odd V (a mask at V made it one element per store)
+        tl.store(qptr, q.to(Q.dtype.element_ty), mask=row_mask[:, None] & (offs_p < stride_q)[None, :])
         tl.store(Qm + rows * n_vtiles + tile, m_new, mask=row_mask)
     return m_new, s, ssum, ref, hs, av, amax
 

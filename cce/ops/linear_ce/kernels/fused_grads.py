@@ -54,8 +54,9 @@ from .forward import linear_ce_forward
 #   dZ_v = f_j q_v - gamma_i w_v                      (v in tile j, v != t_i)
 #   dZ_t = (alpha e^(zt_r - lse_r) - beta_i - gamma_i w_t) (1 - th_t^2), th_t = zt_r T / softcap
 # rounded to Q's dtype; Lo_i = dZ_t - round(dZ_t). Program (r, s) does row r's tiles
-# [s tiles, (s + 1) tiles): a pass of 2 + 2 bytes per logit (16-bit q) bound by bandwidth, which
-# needs many programs in flight (one-warp programs: DZ_PROGRAMS, below), not one per row.
+# [s tiles, (s + 1) tiles), TILES at a time ([TILES, BLOCK_V] blocks): a pass of 2 + 2 bytes per
+# logit (16-bit q) bound by bandwidth, which needs many bytes in flight per SM (DZ_PROGRAMS and
+# DZ_TILES, below), not one program per row.
 @cached_launch
 @triton.heuristics(
     {
@@ -67,7 +68,7 @@ from .forward import linear_ce_forward
 )
 @triton.jit
 def _dz_kernel(
-    Q,  # [n, >= V] the chunk's q, overwritten by dZ (same dtype)
+    Q,  # [n, Vp] the chunk's q, overwritten by dZ (same dtype); rows padded to Vp = stride_q classes
     Qm,  # [n, n_vtiles] fp32 running max m' of each (row, tile)
     W,  # [V] class weights (smoothing) or None
     Tgt,  # [N] int64 target (0 at ignored rows)
@@ -76,7 +77,7 @@ def _dz_kernel(
     Lo,  # [N] fp32 target remainders (16-bit operands) or None
     row0, V, n_vtiles, tiles, stride_q, th_scale,
     HAS_WEIGHT: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_ZLOSS: tl.constexpr, TARGET_LO: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -106,31 +107,41 @@ def _dz_kernel(
         beta_t *= 1.0 - th * th
     q_row = Q + r * stride_q
     offs = tl.arange(0, BLOCK_V)
-    for j in range(split * tiles, tl.minimum(n_vtiles, (split + 1) * tiles)):
-        vid = j * BLOCK_V + offs  # [BLOCK_V]
-        live = vid < V
-        f = alpha * jm.exp(tl.load(Qm + r * n_vtiles + j) - lse)
-        dz = f * tl.load(q_row + vid, mask=live, other=0.0).to(tl.float32)  # [BLOCK_V]
+    j1 = tl.minimum(n_vtiles, (split + 1) * tiles)
+    for j0 in range(split * tiles, j1, TILES):
+        jj = j0 + tl.arange(0, TILES)  # [TILES]
+        vid = jj[:, None] * BLOCK_V + offs[None, :]  # [TILES, BLOCK_V]
+        # the row's padded classes (stride_q, a multiple of 16): vectorized loads and stores at
+        # an odd V; the pad's columns are written 0
+        live = (vid < stride_q) & (jj < j1)[:, None]
+        m = tl.load(Qm + r * n_vtiles + jj, mask=jj < j1, other=0.0)
+        f = alpha * jm.exp(m - lse)  # [TILES]
+        dz = f[:, None] * tl.load(q_row + vid, mask=live, other=0.0).to(tl.float32)  # [TILES, BLOCK_V]
         if HAS_SMOOTH:
             if HAS_WEIGHT:
-                dz -= gamma * tl.load(W + vid, mask=live, other=0.0).to(tl.float32)
+                dz -= gamma * tl.load(W + vid, mask=live & (vid < V), other=0.0).to(tl.float32)
             else:
                 dz -= gamma
         if HALF:
             dz = tl.where(vid == t, dzt, dz)
         else:
             dz = tl.where(vid == t, dz - beta_t, dz)
+        dz = tl.where(vid < V, dz, 0.0)
         tl.store(q_row + vid, dz.to(Q.dtype.element_ty), mask=live)
     if TARGET_LO:
         if split == 0:
             tl.store(Lo + i, dzt - dzt.to(Q.dtype.element_ty).to(tl.float32))
 
 
-# Programs of _dz_kernel to aim for: with one warp each, about two waves of an H100 / H200's
-# resident blocks (32 per SM, 132 SMs). One program per row left 8-16 warps per SM at the 1024
-# to 2048 rows of a chunk at large V, and the pass ran at 1.7-2.8 TB/s on an H200. (Under the
-# interpreter, which runs programs one by one, two per row: the split path, at little cost.)
-DZ_PROGRAMS = 8192
+# Programs of _dz_kernel to aim for, and tiles per step of each: one program per row left 8-16
+# warps per SM at the 1024 to 2048 rows of a chunk at large V (the pass at 1.7-2.8 TB/s on an
+# H200); 8192 one-warp programs of one tile per step ran at 3.6-3.7 TB/s. Four tiles per step with
+# four warps (16 bytes of q per thread) and about two waves of resident programs (16 per SM, 132
+# SMs) took 2-4% less (docs/benchmarks.md). (Under the interpreter, which runs programs one by
+# one, two per row and two tiles per step: the split and masked paths.)
+DZ_PROGRAMS = 4096
+DZ_TILES = 4
+DZ_WARPS = 4
 
 
 def dz_split_tiles(rows: int, n_vtiles: int) -> int:
@@ -205,7 +216,8 @@ def linear_ce_fused(
         dC = (torch.zeros if N == 0 else torch.empty)((V, D), dtype=f32 if f32_acc else c.dtype, device=dev)
     BV = config(e2d.dtype, "fwd").BLOCK_V
     n_vt = triton.cdiv(V, BV)
-    # The pad classes [V, Vp) are never written: the products read the first V columns.
+    # The pad classes [V, Vp): q and dZ are 0 there (written so that the forward's stores and
+    # _dz_kernel's loads and stores stay vectorized at an odd V); the products read the first V.
     qbuf = torch.empty((min(n, N), fused_padded_classes(V)), dtype=e2d.dtype, device=dev)
     qm = torch.empty((min(n, N), n_vt), dtype=f32, device=dev)
     # dE: each chunk's rows are complete after its product (the whole vocabulary is in the
@@ -235,7 +247,7 @@ def linear_ce_fused(
                 Q=qbuf, Qm=qm, W=weight, Tgt=safe_t, Zt=st.tgt, Lse=st.lse, A0=a0, A1=a1, Beta=beta,
                 Gamma=gamma, Lo=lo, row0=s, V=V, n_vtiles=n_vt, tiles=tiles, stride_q=qbuf.stride(0),
                 th_scale=temperature / softcap if softcap > 0 else 0.0, HAS_SOFTCAP=softcap > 0,
-                BLOCK_V=BV, num_warps=1 if BV <= 256 else 4,
+                BLOCK_V=BV, TILES=2 if interpreting() else DZ_TILES, num_warps=DZ_WARPS,
             )  # fmt: skip
             _chunk_products(qbuf[:k, :V], e2d, c, rows, safe_t, lo, s, t, dE, de_buf, dC, dbias)
     if dbias is not None and lo is not None:
