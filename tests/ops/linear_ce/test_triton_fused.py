@@ -5,7 +5,7 @@ interpreter (fp32; bf16 arithmetic is wrong there, fp16 never takes this path).
 Tolerances as in test_triton_linear.py: fp32 logits from K <= 96 products and fp32 sums over V,
 so 1e-5 on the loss and 2e-5 relative L2 on the gradients.
 
-Shapes: V off the 16-class padding (150: the row kernel masks the buffer's pad columns), V
+Shapes: V off the 16-class padding (150: the buffer's pad columns are written 0), V
 below the interpreter's 32-class row block, a single token; chunk budgets that give one chunk,
 two balanced ones, and one row per chunk.
 """
@@ -33,9 +33,11 @@ from cce._dispatch import (
     fused_one_chunk,
     linear_backward,
 )
+from cce.reference import linear_cross_entropy_reference
 from tests.helpers import (
     compare_with_reference,
     examples,
+    loss_and_grads,
     make_linear_inputs,
     rel_err,
     spread_logits_problem,
@@ -125,6 +127,46 @@ def test_fused_shapes(lead, D, V, monkeypatch):
     )  # fmt: skip
     assert calls
     _check(got, ref)
+
+
+@pytest.mark.parametrize("V", [150, 257])
+def test_fused_buffers_poisoned(V, monkeypatch):
+    """Every buffer torch.empty makes during the step is filled with NaN first: the gradients
+    still match the oracle (nothing reads what was not written), and the q / dZ chunk buffer's
+    pad classes [V, Vp) end at 0 (the forward's q store and _dz_kernel mask at the padded row
+    length, which keeps their accesses vectorized on a GPU at a V off 16, and write the pad);
+    its first V columns are finite. Two chunks: the pad is rewritten for the second."""
+    from cce._dispatch import fused_padded_classes
+
+    D = 24
+    e, c, t, b, opts = _inputs((40,), D, V, {"bias": True}, seed=V)
+    calls = _spy(monkeypatch)
+    made = []
+    real = torch.empty
+
+    def poisoned(*a, **k):
+        x = real(*a, **k)
+        if x.is_floating_point():
+            x.fill_(float("nan"))
+        made.append(x)
+        return x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = loss_and_grads(
+        lambda *a, **k: tuned(fused_chunk_bytes=4 * 25 * fused_padded_classes(V))(*a, impl="triton", **k),
+        e, c, t, b, generator=torch.Generator().manual_seed(5), filter_eps=None,
+    )  # fmt: skip
+    monkeypatch.setattr(torch, "empty", real)
+    assert calls
+    ref = loss_and_grads(
+        lambda *a, **k: linear_cross_entropy_reference(*a, dtype=torch.float64, **k),
+        e, c, t, b, generator=torch.Generator().manual_seed(5),
+    )  # fmt: skip
+    _check(got, ref)
+    Vp = fused_padded_classes(V)
+    (q,) = [x for x in made if x.dim() == 2 and x.shape[1] == Vp]
+    assert Vp > V and q.shape[0] == 20  # two chunks of 20 rows
+    assert (q[:, V:] == 0).all() and torch.isfinite(q[:, :V]).all()
 
 
 def test_fused_one_row_chunks():
