@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -430,3 +431,32 @@ def skipped_mean_logit64(S: torch.Tensor, lse: torch.Tensor, softcap: float, BV:
             lo, hi = torch.where(up, mid, lo), torch.where(up, hi, mid)
         z = (lo + hi) / 2
     return torch.where(S > 0, z, 0.0)
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """While active, torch.empty, torch.empty_like and Tensor.new_empty fill what they make
+    (NaN for floats, -7 for integers, 201 for uint8), so that a kernel or op that reads memory it
+    did not write shows it in its results. Yields the list of tensors made."""
+    made: list[torch.Tensor] = []
+    real = (torch.empty, torch.empty_like, torch.Tensor.new_empty)
+
+    def wrap(f):
+        def g(*a, **k):
+            x = f(*a, **k)
+            if x.is_floating_point():
+                x.fill_(float("nan"))
+            elif x.dtype == torch.uint8:
+                x.fill_(201)
+            elif x.dtype != torch.bool and not x.is_complex():
+                x.fill_(-7)
+            made.append(x)
+            return x
+
+        return g
+
+    torch.empty, torch.empty_like, torch.Tensor.new_empty = (wrap(f) for f in real)
+    try:
+        yield made
+    finally:
+        torch.empty, torch.empty_like, torch.Tensor.new_empty = real

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import examples, rel_err, tuned_ce
+from helpers import examples, poisoned_allocations, rel_err, tuned_ce
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -250,6 +250,37 @@ def test_triton_poisoned_output_fully_written():
     ref = K.ce_backward(x, t, None, lse, a, a, a * 0, -100, 0.0, False)
     assert torch.equal(out, ref)
     assert (ref[t == -100] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},
+        {"label_smoothing": 0.1, "z_loss": 1e-3},
+        {"reduction": "none", "return_lse": True},
+        {"return_entropy": True},
+    ],
+    ids=["plain", "smooth-zloss", "none-lse", "entropy"],
+)
+def test_triton_poisoned_allocations_change_nothing(opts):
+    """Every buffer torch.empty / empty_like / new_empty makes during the step filled first
+    (helpers.poisoned_allocations): the outputs and the logits' gradient are bit for bit those of
+    an ordinary run, so nothing reads memory it has not written (an odd V, ignored rows)."""
+    x, t = make((33,), 257, seed=6, ignore_frac=0.2)
+
+    def run():
+        xx = x.clone().requires_grad_()
+        out = cross_entropy(xx, t, impl="triton", **opts)
+        outs = out if isinstance(out, tuple) else (out,)
+        w = torch.linspace(0.5, 1.5, outs[0].numel()).reshape(outs[0].shape)
+        (outs[0] * w).sum().backward()
+        return [o.detach() for o in outs if o is not None], xx.grad
+
+    want = run()
+    with poisoned_allocations():
+        got = run()
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0], strict=True))
+    assert torch.equal(got[1], want[1])
 
 
 def test_triton_empty_and_all_ignored():

@@ -39,6 +39,7 @@ from tests.helpers import (
     examples,
     loss_and_grads,
     make_linear_inputs,
+    poisoned_allocations,
     rel_err,
     spread_logits_problem,
     triton_grads,
@@ -131,42 +132,41 @@ def test_fused_shapes(lead, D, V, monkeypatch):
 
 @pytest.mark.parametrize("V", [150, 257])
 def test_fused_buffers_poisoned(V, monkeypatch):
-    """Every buffer torch.empty makes during the step is filled with NaN first: the gradients
-    still match the oracle (nothing reads what was not written), and the q / dZ chunk buffer's
-    pad classes [V, Vp) end at 0 (the forward's q store and _dz_kernel mask at the padded row
-    length, which keeps their accesses vectorized on a GPU at a V off 16, and write the pad);
-    its first V columns are finite. Two chunks: the pad is rewritten for the second."""
+    """Every buffer made during the step poisoned first (helpers.poisoned_allocations): the
+    gradients still match the oracle (nothing reads what was not written), and the q / dZ chunk
+    buffer's pad classes [V, Vp) hold 0 when each chunk's products run (the forward's q store and
+    _dz_kernel mask at the padded row length, which keeps their accesses vectorized on a GPU at a
+    V off 16, and write the pad); its first V columns are finite. Two chunks: the pad is
+    rewritten for the second."""
+    import cce.ops.linear_ce.kernels.fused_grads as fg
     from cce._dispatch import fused_padded_classes
 
     D = 24
     e, c, t, b, opts = _inputs((40,), D, V, {"bias": True}, seed=V)
     calls = _spy(monkeypatch)
-    made = []
-    real = torch.empty
+    bufs = []
+    products = fg._chunk_products
 
-    def poisoned(*a, **k):
-        x = real(*a, **k)
-        if x.is_floating_point():
-            x.fill_(float("nan"))
-        made.append(x)
-        return x
+    def spy(dz, *a, **k):
+        bufs.append(dz._base.clone())  # dz: the first V columns of the chunk's buffer
+        return products(dz, *a, **k)
 
-    monkeypatch.setattr(torch, "empty", poisoned)
-    got = loss_and_grads(
-        lambda *a, **k: tuned(fused_chunk_bytes=4 * 25 * fused_padded_classes(V))(*a, impl="triton", **k),
-        e, c, t, b, generator=torch.Generator().manual_seed(5), filter_eps=None,
-    )  # fmt: skip
-    monkeypatch.setattr(torch, "empty", real)
+    monkeypatch.setattr(fg, "_chunk_products", spy)
+    with poisoned_allocations():
+        got = loss_and_grads(
+            lambda *a, **k: tuned(fused_chunk_bytes=4 * 25 * fused_padded_classes(V))(*a, impl="triton", **k),
+            e, c, t, b, generator=torch.Generator().manual_seed(5), filter_eps=None,
+        )  # fmt: skip
     assert calls
     ref = loss_and_grads(
         lambda *a, **k: linear_cross_entropy_reference(*a, dtype=torch.float64, **k),
         e, c, t, b, generator=torch.Generator().manual_seed(5),
     )  # fmt: skip
     _check(got, ref)
-    Vp = fused_padded_classes(V)
-    (q,) = [x for x in made if x.dim() == 2 and x.shape[1] == Vp]
-    assert Vp > V and q.shape[0] == 20  # two chunks of 20 rows
-    assert (q[:, V:] == 0).all() and torch.isfinite(q[:, :V]).all()
+    assert len(bufs) == 2  # two chunks of 20 rows
+    for q in bufs:
+        assert q.shape == (20, fused_padded_classes(V)) and q.shape[1] > V
+        assert (q[:, V:] == 0).all() and torch.isfinite(q[:, :V]).all()
 
 
 def test_fused_one_row_chunks():

@@ -23,6 +23,7 @@ from tests.helpers import (
     compare_with_reference,
     loss_and_grads,
     make_linear_inputs,
+    poisoned_allocations,
     rel_err,
     skip_rate,
     spread_logits_problem,
@@ -428,10 +429,11 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     ],
     ids=["exact", "sparse", "sparse-all-dense", "recompute"],
 )
-def test_poisoned_allocations_change_nothing(variant, monkeypatch):
-    """Every buffer torch.empty makes during the step filled first (NaN, integers -7 or 201): the
-    loss and gradients are bit for bit those of an ordinary run (the interpreter runs programs in
-    a fixed order), so no path reads memory it has not written. N = 33 (a partial token block),
+def test_poisoned_allocations_change_nothing(variant):
+    """Every buffer torch.empty / empty_like / new_empty makes during the step filled first
+    (helpers.poisoned_allocations): the loss and gradients are bit for bit those of an ordinary
+    run (the interpreter runs programs in a fixed order), so no path reads memory it has not
+    written. N = 33 (a partial token block),
     V = 257 (an odd V, a partial tile), label smoothing; the sparse backward also with every slab
     dense (dense_kept 0). The fused path has its own (test_triton_fused.py)."""
     e, c, t = zipf_inputs(33, 24, 257, dtype=torch.float32, seed=11)
@@ -446,22 +448,9 @@ def test_poisoned_allocations_change_nothing(variant, monkeypatch):
             generator=torch.Generator().manual_seed(2), filter_eps=feps, label_smoothing=0.1,
         )  # fmt: skip
 
-    real = torch.empty
-
-    def poisoned(*a, **k):
-        x = real(*a, **k)
-        if x.is_floating_point():
-            x.fill_(float("nan"))
-        elif x.dtype == torch.uint8:
-            x.fill_(201)
-        elif x.dtype != torch.bool:
-            x.fill_(-7)
-        return x
-
     want = run()
-    monkeypatch.setattr(torch, "empty", poisoned)
-    got = run()
-    monkeypatch.setattr(torch, "empty", real)
+    with poisoned_allocations():
+        got = run()
     assert torch.equal(got[0], want[0])
     for g, w in zip(got[2], want[2], strict=True):
         assert torch.equal(g, w)
