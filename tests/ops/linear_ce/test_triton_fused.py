@@ -33,11 +33,9 @@ from cce._dispatch import (
     fused_one_chunk,
     linear_backward,
 )
-from cce.reference import linear_cross_entropy_reference
 from tests.helpers import (
     compare_with_reference,
     examples,
-    loss_and_grads,
     make_linear_inputs,
     poisoned_allocations,
     rel_err,
@@ -142,7 +140,7 @@ def test_fused_buffers_poisoned(V, monkeypatch):
     from cce._dispatch import fused_padded_classes
 
     D = 24
-    e, c, t, b, opts = _inputs((40,), D, V, {"bias": True}, seed=V)
+    e, c, t, b, _ = _inputs((40,), D, V, {"bias": True}, seed=V)
     calls = _spy(monkeypatch)
     bufs = []
     products = fg._chunk_products
@@ -152,16 +150,12 @@ def test_fused_buffers_poisoned(V, monkeypatch):
         return products(dz, *a, **k)
 
     monkeypatch.setattr(fg, "_chunk_products", spy)
+    fn = tuned(fused_chunk_bytes=4 * 25 * fused_padded_classes(V))
     with poisoned_allocations():
-        got = loss_and_grads(
-            lambda *a, **k: tuned(fused_chunk_bytes=4 * 25 * fused_padded_classes(V))(*a, impl="triton", **k),
-            e, c, t, b, generator=torch.Generator().manual_seed(5), filter_eps=None,
-        )  # fmt: skip
+        got, ref = compare_with_reference(
+            lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=5, filter_eps=None
+        )
     assert calls
-    ref = loss_and_grads(
-        lambda *a, **k: linear_cross_entropy_reference(*a, dtype=torch.float64, **k),
-        e, c, t, b, generator=torch.Generator().manual_seed(5),
-    )  # fmt: skip
     _check(got, ref)
     assert len(bufs) == 2  # two chunks of 20 rows
     for q in bufs:
