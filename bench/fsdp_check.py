@@ -19,7 +19,6 @@ import dataclasses
 import gc
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import transformers
 
 import cce.transformers
 
-from .dist import RESULTS, run_ranks
+from .dist import RESULTS, exit_now, run_ranks
 from .harness import fmt
 from .providers import versions
 from .reference import rel_l2
@@ -351,10 +350,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Skip the interpreter's finalization: gloo's worker threads can outlive destroy_process_group
-    # (a cached device mesh keeps them), and tearing them down while the interpreter finalizes
-    # aborts the process now and then ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(main())
