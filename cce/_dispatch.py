@@ -20,7 +20,8 @@ from .options import SPARSE_MIN_CLASSES_CUDA, SPARSE_MIN_FLOPS_CUDA, Tuning
 # The sparse backward serves filtered training steps from this threshold up (the bf16 / fp16
 # defaults): a kept tile past its dZ scratch costs one recompute per D chunk of the output, cheap
 # while few tiles are kept, not at smaller thresholds (fp32's 2^-20) where a large share of the
-# tiles is kept (docs/benchmarks.md). Tuning(backward="sparse") lifts this bound.
+# tiles is kept (docs/benchmarks.md); the exact path runs there. Tuning(backward="sparse") lifts
+# this bound.
 SPARSE_MIN_EPS = 2.0**-10
 
 
@@ -127,10 +128,16 @@ def backward_choice(
     classes: int | None = None,
 ) -> tuple[str, str]:
     """(algorithm, the rule that chose it in words: cce.explain) of the Triton backward of a
-    linear-cross-entropy call: "exact" (filter_eps 0: dZ slabs and
-    cuBLAS), "sparse" (filtered, from the forward's tile statistics: no bias gradient, and not
-    softcap with label smoothing, whose smoothing term is then not rank-1) or "recompute"
-    (filtered, recomputing every tile).
+    linear-cross-entropy call: "exact" (dZ slabs and cuBLAS; filter_eps 0, or a filtered call
+    the sparse backward does not serve), "fused" (the exact gradients formed in the forward) or
+    "sparse" (filtered, from the forward's tile statistics: e or c needing a gradient, no bias
+    gradient, not softcap with label smoothing, whose smoothing term is then not rank-1, and with
+    ``backward="auto"`` a threshold from SPARSE_MIN_EPS up). A filtered call outside those takes
+    the exact path, which has no filter error and which no filtered algorithm beat there: the
+    recomputing filtered backward that served them (every tile recomputed, the kept ones'
+    products accumulated with fp32 atomics) took 5.4x the forward matmul per step on zipf data
+    at the bf16 threshold, where the exact path takes 3.1-4.5x (docs/benchmarks.md, "The sparse
+    backward and the sorted vocabulary").
 
     ``flops`` (2 N V D, one pass of the logits matmul): with ``backward="auto"`` a filtered call
     below ``tuning.sparse_min_flops`` (None: SPARSE_MIN_FLOPS_CUDA for ``cuda`` tensors, else 0)
@@ -152,9 +159,8 @@ def backward_choice(
 
     A ``temperature`` changes nothing here: every backward takes the tempered logits (the tile
     statistics and the filter are of those). (An entropy output's gradient, known only in the
-    backward, is part of the sparse backward's dZ; after the fused forward, or where the
-    recomputing backward was chosen, the op runs the exact backward for it:
-    cce/ops/linear_ce/triton_impl.py.)"""
+    backward, is part of the sparse backward's dZ; after the fused forward the op runs the exact
+    backward for it: cce/ops/linear_ce/triton_impl.py.)"""
     exact = "fused" if fused_ok else "exact"
     if filter_eps <= 0:
         return exact, "exact: filter_eps is None (or 0)"
@@ -174,19 +180,17 @@ def backward_choice(
         min_classes = SPARSE_MIN_CLASSES_CUDA if cuda else 0
     if calibrated and classes is not None and classes < min_classes:
         return "fused", f"exact (fused): V = {classes} is below Tuning.sparse_min_classes ({min_classes})"
+    unserved = None
     if not (need_de or need_dc):
-        return "recompute", "filtered, recomputing every tile: only the bias gradient is asked for"
-    if need_dbias:
-        return "recompute", "filtered, recomputing every tile: the bias gradient needs every tile's sums"
-    if softcap > 0 and label_smoothing > 0:
-        return "recompute", "filtered, recomputing every tile: softcap with label smoothing"
-    if tuning.backward == "recompute":
-        return "recompute", "filtered, recomputing every tile: Tuning(backward='recompute')"
-    if tuning.backward == "auto" and filter_eps < SPARSE_MIN_EPS:
-        return "recompute", (
-            f"filtered, recomputing every tile: filter_eps {filter_eps:.3g} is below {SPARSE_MIN_EPS:.3g}, "
-            "where most tiles are kept"
-        )
+        unserved = "only the bias gradient is asked for"
+    elif need_dbias:
+        unserved = "a bias gradient is asked for (it needs every tile's sums)"
+    elif softcap > 0 and label_smoothing > 0:
+        unserved = "softcap with label smoothing (the smoothing term is not rank-1)"
+    elif tuning.backward == "auto" and filter_eps < SPARSE_MIN_EPS:
+        unserved = f"filter_eps {filter_eps:.3g} is below {SPARSE_MIN_EPS:.3g}, where most tiles are kept"
+    if unserved is not None:
+        return exact, f"exact: the sparse backward does not serve this call: {unserved}"
     return "sparse", "filtered from the forward's tile statistics (the sparse backward)"
 
 
@@ -305,7 +309,7 @@ def fused_one_chunk(tuning: Tuning, N: int, V: int, itemsize: int = 4) -> bool:
 class LinearPlan:
     """What a linear-cross-entropy call runs, decided on the host before any kernel (the op reads
     it; ``cce.explain`` returns it): the implementation, the backward algorithm (impl="triton":
-    "fused", "exact", "sparse" or "recompute", linear_backward; impl="torch": "chunked-forward",
+    "fused", "exact" or "sparse", linear_backward; impl="torch": "chunked-forward",
     the gradients formed by the forward's chunks, or "chunked", recomputed in the backward), the
     threshold the backward filters with (0: exact), the fused path's row chunks (0 off it) and
     the rules that chose them, in words; with the sparse backward also ``slabs``, its host-side
@@ -353,7 +357,7 @@ def plan_triton(
     elif need and algo == "exact":
         reasons.append(f"not the fused path ({misfit}): four matmul passes")
     chunks = fused_chunks(tuning, N, V, dtype.itemsize) if algo == "fused" else 0
-    eps = filter_eps if algo in ("sparse", "recompute") else 0.0
+    eps = filter_eps if algo == "sparse" else 0.0
     return LinearPlan("triton", algo, eps, chunks, tuple(reasons))
 
 

@@ -19,13 +19,13 @@ import torch
 Reduction = Literal["mean", "sum", "none"]
 Impl = Literal["auto", "triton", "torch"]
 FilterEps = float | Literal["auto"] | None
-Backward = Literal["auto", "sparse", "recompute"]
+Backward = Literal["auto", "sparse"]
 
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "none")
 # The per-token outputs a call may ask for besides the loss and lse (cce.LossOutputs' fields).
 TOKEN_OUTPUTS: tuple[str, ...] = ("return_logprobs", "return_entropy", "return_argmax", "return_accuracy")
 IMPLS: tuple[str, ...] = ("auto", "triton", "torch")
-BACKWARDS: tuple[str, ...] = ("auto", "sparse", "recompute")
+BACKWARDS: tuple[str, ...] = ("auto", "sparse")
 # Input dtypes every entry point accepts (float64 runs the Triton kernels in fp32).
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -63,10 +63,10 @@ class Tuning:
 
     Attributes:
         backward: the filtered Triton backward (filter_eps > 0): ``"auto"`` (the sparse backward
-            from the forward's tile statistics where it applies, see docs/design.md, else the
-            recomputing one), ``"sparse"`` (the sparse backward wherever it applies, whatever
-            the threshold), ``"recompute"`` (never the sparse one). The exact path
-            (filter_eps None or 0) has one algorithm.
+            from the forward's tile statistics where it applies and the threshold is at least
+            2^-10, see docs/design.md; the exact path otherwise) or ``"sparse"`` (the sparse
+            backward wherever it applies, whatever the threshold). Where it does not apply (a
+            bias gradient, softcap with label smoothing) the exact path runs.
         chunk_bytes: bytes of chunk-sized temporaries of the PyTorch implementations (None: each
             implementation's default).
         dz_slab_bytes: bytes of the exact Triton backward's dZ slab.
@@ -117,12 +117,12 @@ class Tuning:
             runs (``fused`` below), at any size: few tiles to skip, and the fused path was the
             faster one there off zipf-like data. None: SPARSE_MIN_CLASSES_CUDA on CUDA tensors
             (docs/benchmarks.md), 0 elsewhere.
-        fused: wherever the exact backward would run (filter_eps None or 0, or a problem below
-            ``sparse_min_flops``) and the loss's upstream gradient is a scalar (reduction
-            ``"mean"`` or ``"sum"``), form the exact gradients in the forward pass instead:
-            three matmul passes instead of four (cce/ops/linear_ce/kernels/fused_grads.py). The
-            backward then only scales them; a gradient through the returned lse costs one more
-            exact pass.
+        fused: wherever the exact backward would run (filter_eps None or 0, a problem below
+            ``sparse_min_flops``, or a filtered call the sparse backward does not serve) and the
+            loss's upstream gradient is a scalar (reduction ``"mean"`` or ``"sum"``), form the
+            exact gradients in the forward pass instead: three matmul passes instead of four
+            (cce/ops/linear_ce/kernels/fused_grads.py). The backward then only scales them; a
+            gradient through the returned lse costs one more exact pass.
         fused_chunk_bytes: bytes of the fused path's chunk of per-logit values in the operands'
             dtype (rows in balanced chunks); it runs only where the logits come in at most 4
             chunks (dC then accumulates in c's dtype, one rounding per chunk), or its fp32 dC

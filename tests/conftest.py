@@ -66,11 +66,7 @@ ONE_CASE: dict[str, str | tuple[str, ...] | None] = {
         "ignore_index=3-dtype1",
     ),
     # (the sparse backward in fp32 runs in the other sparse tests)
-    "test_triton_linear.py::test_filtered_backwards_with_tiny_threshold": (
-        "dtype1-sparse",
-        "dtype0-recompute",
-        "dtype1-recompute",
-    ),
+    "test_triton_linear.py::test_sparse_backward_with_tiny_threshold": "dtype1",
     "test_first_order.py::test_sparse_backward_with_first_order_is_the_model": None,
     "test_first_order.py::test_gram_against_float64": None,
     "test_dc_estimate.py::test_dc_norm_estimate": None,

@@ -270,10 +270,10 @@ def tuned_ce(**tuning):
 
 
 def tile_skips(e, c, t, eps: float, BN: int, BV: int, perm=None, ignore_index: int = -100):
-    """[n_blocks, n_tiles] int8: what the recomputing Triton backward decides per (token block,
-    vocabulary tile), from the logits in fp32: 1 (skip) when every probability in the tile is
-    below eps and no row's target lies in it, 0 (keep); -1 for blocks past the valid rows. Rows
-    in the valid-first order, the vocabulary in ``perm`` order (ids when None)."""
+    """[n_blocks, n_tiles] int8: the filter's decision per (token block, vocabulary tile), from
+    the logits in fp32: 1 (skip) when every probability in the tile is below eps and no row's
+    target lies in it, 0 (keep); -1 for blocks past the valid rows. Rows in the valid-first
+    order, the vocabulary in ``perm`` order (ids when None)."""
     valid = t != ignore_index
     order = torch.argsort((~valid).int(), stable=True)
     n_valid = int(valid.sum())
@@ -298,8 +298,9 @@ def tile_skips(e, c, t, eps: float, BN: int, BV: int, perm=None, ignore_index: i
 
 
 def skip_rate(e, c, t, eps: float, sort_vocab: bool) -> float:
-    """Fraction of the decided (token block, tile) pairs that the recomputing backward skips, on
-    the vocabulary sorted by mean logit (as it walks it) or in id order."""
+    """Fraction of the decided (token block, tile) pairs that the filter skips (tile_skips, at
+    the exact backward's pointer tiles), on the vocabulary sorted by mean logit (as the filtered
+    backward walks it) or in id order."""
     from cce.ops.linear_ce.kernels.common import config
     from cce.ops.linear_ce.rows import RowOrder, vocab_order
 

@@ -384,7 +384,6 @@ def _check_logits_level(problem, inplace, impl):
     "filter_eps,tuning",
     [
         (None, cce.Tuning()),  # the exact backward
-        (2.0**-12, cce.Tuning(backward="recompute")),
         (2.0**-12, cce.Tuning(backward="sparse", dense_slabs=False)),
         pytest.param(
             2.0**-12,

@@ -130,17 +130,3 @@ def weighted_rows(w: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None =
         rows = x[s:t] if index is None else x.index_select(0, index[s:t])
         out += w[s:t].float() @ rows.float()
     return out
-
-
-def block_means_e(e2d: torch.Tensor, r: RowOrder, BN: int) -> torch.Tensor:
-    """[n_blocks, D] mean of the valid rows of each sorted token block (0 for empty blocks)."""
-    nb = -(-r.N // BN)
-    dev = e2d.device
-    pos = torch.arange(r.N, device=dev)
-    valid_s = (pos < r.n_valid).float()
-    sums = torch.zeros(nb, e2d.shape[1], dtype=torch.float32, device=dev)
-    for s, t in row_chunks(r.N):
-        rows = e2d.index_select(0, r.erow_s[s:t]).float() * valid_s[s:t, None]
-        sums.index_add_(0, pos[s:t] // BN, rows)
-    counts = torch.zeros(nb, dtype=torch.float32, device=dev).index_add_(0, pos // BN, valid_s)
-    return sums / counts.clamp(min=1.0)[:, None]

@@ -1,7 +1,7 @@
-"""The host side of the Triton backward algorithms: row and vocabulary orders, the skipped
-tiles' rank-1 corrections of the recomputing backward, and the plan of the sparse one.
+"""The host side of the Triton backward algorithms: the exact one's row order, the sparse
+one's plan, statistics and corrections.
 
-``coefficient_backward`` (exact or recomputing, for given per-row coefficients) serves
+``coefficient_backward`` (the exact backward for given per-row coefficients) serves
 ``loss_backward``; ``sparse_backward`` reads the forward's encoded tile statistics. (A
 vocabulary-parallel rank runs the forward op and these backwards on its block:
 cce/ops/linear_ce/local.py.) docs/design.md has the error bounds.
@@ -22,12 +22,11 @@ from ...options import Tuning
 from .host_peek import HostPeek
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
-from .kernels.backward_recompute import linear_ce_backward_recompute
 from .kernels.common import compact_lists, inverse_permutation, stats_blocks, tile_sizes
 from .kernels.first_order import FirstOrder, gram, normalized
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, skipped_slogs, tile_means
-from .rows import RowOrder, block_means_e, row_chunks, vocab_order, weighted_rows
+from .rows import RowOrder, weighted_rows
 from .slab_choice import SlabPlan, dense_slab_flags, mean_row_spread, slab_errors, slab_plan, tile_masses
 
 
@@ -47,70 +46,28 @@ def with_slab_plan(plan: LinearPlan, tuning: Tuning, dtype: torch.dtype, shape: 
 
 
 def coefficient_backward(
-    e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, filter_eps,
-    need_de, need_dc, need_dbias, dz_slab_bytes: int, eta=None, temperature: float = 1.0, entropy=None,
+    e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma, ignore_index, softcap, need_de, need_dc,
+    need_dbias, dz_slab_bytes: int, eta=None, temperature: float = 1.0, entropy=None,
 ):  # fmt: skip
-    """(dE, dC, dbias) (None where not needed) for per-row coefficients:
-    dZ = (alpha p - beta [v == t] - gamma w) softcap' (gamma None: no smoothing term).
-
-    ``eta`` (the entropy's term eta p z, with the rows' ``entropy``) takes the exact backward only
-    (the recomputing kernel's filter assumes dZ ~ alpha p). A ``temperature`` (the logits
-    softcap(x) / T, the coefficients scaled by 1 / T already) goes to either: the recomputing
-    kernel filters the tempered probabilities, and its skipped tiles' row and column sums are
-    of the tempered dZ.
-
-    filter_eps 0: the exact backward (dZ slabs and cuBLAS); dC in c's dtype, dE and dbias fp32.
-    Otherwise the recomputing backward with the vocabulary sorted by mean logit and the skipped
-    tiles' rank-1 corrections: every gradient fp32. With softcap the smoothing term is no longer
-    rank-1: it is then part of every tile's dZ and the filter (whose bound assumes dZ ~ alpha p)
-    is off, as in impl="torch".
-    """
-    V, D = c.shape
-    dev = e2d.device
+    """(dE, dC, dbias) (None where not needed) of the exact backward (dZ slabs and cuBLAS) for
+    per-row coefficients: dZ = (alpha p - beta [v == t] - gamma w) softcap' (gamma None: no
+    smoothing term), plus the entropy's term eta p z (with the rows' ``entropy``) where ``eta``
+    is given; the logits are softcap(x) / ``temperature``, the coefficients scaled by 1 / T
+    already. dC in c's dtype, dE and dbias fp32."""
     r = RowOrder(targets, rows, ignore_index)
-    alpha, beta = alpha.float(), beta.float()
-    smoothing = gamma is not None
-    if smoothing:
-        gamma = gamma.float()
-    eps = 0.0 if (smoothing and softcap > 0) else float(filter_eps)
-    if eta is not None:
-        eps = 0.0
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
-    args = (e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha), srt(beta))
-    if eps == 0:
-        # Every term, smoothing included, is in dZ.
-        ex = linear_ce_backward_exact(
-            *args, srt(gamma) if smoothing else None, softcap, need_de, need_dc, need_dbias, dz_slab_bytes,
-            eta=None if eta is None else srt(eta.float()), temperature=temperature,
-            entropy=None if eta is None else srt(entropy.float()),
-        )  # fmt: skip
-        dE = None
-        if ex.dE is not None:
-            # Without `rows` the sorted rows are a permutation of e2d's: every row is written.
-            make = torch.empty if rows is None else torch.zeros
-            dE = make(e2d.shape, dtype=torch.float32, device=dev).index_copy_(0, r.erow_s, ex.dE)
-        return dE, ex.dC, ex.dbias
-    perm = vocab_order(e2d, c, bias, r)
-    out = linear_ce_backward_recompute(
-        *args, None, perm, softcap, eps, need_de, need_dc, need_dbias, temperature=temperature
-    )
-    dE, dC, db = out.dE, out.dC, out.dbias
-    # Skipped tiles: rank-1 corrections rowsum(dZ_tile) x mean(C_tile), colsum(dZ_tile) x mean(E_block).
-    if out.R is not None:
-        Cm = tile_means(c, perm, out.BLOCK_V, torch.float32)
-        for s, t in row_chunks(r.N):
-            dE.index_add_(0, r.erow_s[s:t], out.R[s:t] @ Cm)
-    if out.CSK is not None:
-        dC.addmm_(out.CSK.T, block_means_e(e2d, r, out.BLOCK_N))
-    if smoothing:  # without softcap: -gamma_i w_v is rank-1, added exactly outside the tiles
-        w = weight.float() if weight is not None else torch.ones(V, dtype=torch.float32, device=dev)
-        if db is not None:
-            db.sub_(w * gamma.sum())
-        if dE is not None:
-            dE.index_add_(0, r.erow, -gamma[:, None] * weighted_rows(w, c)[None, :])
-        if dC is not None:
-            dC.addr_(w, weighted_rows(gamma, e2d, r.erow), alpha=-1.0)
-    return dE, dC, db
+    ex = linear_ce_backward_exact(
+        e2d, c, bias, weight, r.erow_s, srt(r.safe_t), r.n_valid, srt(lse), srt(alpha.float()),
+        srt(beta.float()), None if gamma is None else srt(gamma.float()), softcap, need_de, need_dc,
+        need_dbias, dz_slab_bytes, eta=None if eta is None else srt(eta.float()), temperature=temperature,
+        entropy=None if eta is None else srt(entropy.float()),
+    )  # fmt: skip
+    dE = None
+    if ex.dE is not None:
+        # Without `rows` the sorted rows are a permutation of e2d's: every row is written.
+        make = torch.empty if rows is None else torch.zeros
+        dE = make(e2d.shape, dtype=torch.float32, device=e2d.device).index_copy_(0, r.erow_s, ex.dE)
+    return dE, ex.dC, ex.dbias
 
 
 def loss_coefficients(
@@ -138,7 +95,7 @@ def loss_coefficients(
 
 def loss_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-    filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes: int, u=None, delta=None, entropy=None,
+    need_de, need_dc, need_dbias, dz_slab_bytes: int, u=None, delta=None, entropy=None,
     temperature: float = 1.0,
 ):  # fmt: skip
     """coefficient_backward for upstream gradients g (per-row loss), h (lse), u (target logit)
@@ -149,8 +106,7 @@ def loss_backward(
     )  # fmt: skip
     return coefficient_backward(
         e2d, c, bias, weight, rows, targets, lse, alpha, beta, gamma if smoothing else None,
-        ignore_index, softcap, filter_eps, need_de, need_dc, need_dbias, dz_slab_bytes, eta, temperature,
-        entropy,
+        ignore_index, softcap, need_de, need_dc, need_dbias, dz_slab_bytes, eta, temperature, entropy,
     )  # fmt: skip
 
 

@@ -186,7 +186,6 @@ class BwdArgs(NamedTuple):
     softcap: float
     label_smoothing: float
     z_loss: float
-    filter_eps: float
     need_de: bool
     need_dc: bool
     need_dbias: bool
@@ -199,14 +198,13 @@ class BwdArgs(NamedTuple):
 
 @define_op("cce::linear_ce_triton_bwd", BwdArgs, tuple[torch.Tensor, torch.Tensor, torch.Tensor])
 def linear_ce_triton_bwd(a: BwdArgs):
-    """(dE, dC, dbias) in the dtypes of e2d, c, bias (empty where not needed): the exact or the
-    recomputing backward (triton_backward.loss_backward; exact with an entropy gradient or a
-    temperature)."""
+    """(dE, dC, dbias) in the dtypes of e2d, c, bias (empty where not needed): the exact backward
+    (triton_backward.loss_backward)."""
     e2d_k, c_k, bias, weight = kernel_operands(a.e2d, a.c, a.bias, a.weight)
     dE, dC, db = loss_backward(
         e2d_k, c_k, bias, weight, a.rows, a.targets, a.lse, a.g, a.h, a.ignore_index, a.softcap,
-        a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.need_dbias, a.dz_slab_bytes, a.u,
-        a.delta, a.entropy, a.temperature,
+        a.label_smoothing, a.z_loss, a.need_de, a.need_dc, a.need_dbias, a.dz_slab_bytes, a.u, a.delta,
+        a.entropy, a.temperature,
     )  # fmt: skip
     return (
         dE.to(a.e2d.dtype) if dE is not None else a.e2d.new_empty(0),
@@ -361,8 +359,8 @@ def _backward(
     else:
         dE, dC, db = linear_ce_triton_bwd(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, a.ignore_index, a.softcap,
-            a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc, need_db, a.dz_slab_bytes, g_tgt,
-            g_ent, ent if g_ent is not None else None, a.temperature,
+            a.label_smoothing, a.z_loss, need_de, need_dc, need_db, a.dz_slab_bytes, g_tgt, g_ent,
+            ent if g_ent is not None else None, a.temperature,
         )  # fmt: skip
     return (dE if need_de else None, dC if need_dc else None, db if need_db else None, *nothing)
 
@@ -508,7 +506,7 @@ def _fused_backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db, g_tgt, g_ent, _g_am
         # its gradients come in the inputs' dtypes, added to the forward's with one more rounding.
         extra = linear_ce_triton_bwd(
             e2d, c, bias, weight, rows, targets, lse, g_rest, g_lse, a.ignore_index, a.softcap,
-            a.label_smoothing, a.z_loss, 0.0, need[0], need[1], need[2] and bias is not None, a.dz_slab_bytes,
+            a.label_smoothing, a.z_loss, need[0], need[1], need[2] and bias is not None, a.dz_slab_bytes,
             g_tgt, g_ent, ent if g_ent is not None else None, a.temperature,
         )  # fmt: skip
         for j, (x, ref) in enumerate(zip(extra, (e2d, c, bias), strict=True)):
@@ -559,9 +557,9 @@ def linear_ce_triton(
             float(temperature), entropy, argmax,
         )  # fmt: skip
         return out[0], out[1], out[5], out[6] if entropy else None, out[7] if argmax else None
-    if algo == "exact":
+    stats = algo == "sparse"  # else "exact": no filter
+    if not stats:
         filter_eps = 0.0
-    stats = algo == "sparse"
     out = linear_ce_triton_fwd(
         e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
         filter_eps, stats, stats and need_de, tuning.stats_chain_tiles, tuning.dz_slab_bytes,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cce
 from bench.data import zipf_inputs
 from cce import linear_cross_entropy
 from tests.helpers import (
@@ -27,7 +28,6 @@ from tests.helpers import (
     rel_err,
     skip_rate,
     spread_logits_problem,
-    tile_skips,
     triton_grads,
     tuned,
 )
@@ -126,21 +126,53 @@ def test_exact_path_several_slabs(dtype):
     _check(got, ref, dtype)
 
 
-@pytest.mark.parametrize("backward", ["recompute", "sparse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_filtered_backwards_with_tiny_threshold(backward, dtype):
-    """Each filtered backward (Tuning.backward) with every option it serves and eps tiny, so
+def test_sparse_backward_with_tiny_threshold(dtype):
+    """The sparse backward (Tuning.backward="sparse") with every option it serves and eps tiny, so
     that nothing is skipped and the oracle's tolerance applies (the skip branch is checked
-    against its bound below)."""
+    against its bound in test_triton_sparse.py)."""
     opts = {"label_smoothing": 0.1, "weight": True, "z_loss": 1e-3, "temperature": 0.7}
-    if backward == "recompute":
-        opts["bias"] = True  # the bias gradient is the recomputing backward's own case
     e, c, t, b, opts = _inputs((40,), 50, 150, dtype, opts, seed=13)
-    fn = tuned(backward=backward)
+    fn = tuned(backward="sparse")
     got, ref = compare_with_reference(
         lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=6, filter_eps=1e-12, **opts
     )
     _check(got, ref, dtype)
+
+
+@pytest.mark.parametrize(
+    "opts,tuning",
+    [
+        ({"bias": True}, {}),
+        ({"softcap": 3.0, "label_smoothing": 0.1}, {}),
+        ({}, {"backward": "auto"}),
+        ({"bias": True}, {"backward": "sparse", "fused": False}),
+    ],
+    ids=["bias", "softcap-smoothing", "tiny-eps", "bias-sparse-unfused"],
+)
+def test_filtered_calls_the_sparse_backward_does_not_serve_are_exact(opts, tuning):
+    """A filtered call the sparse backward does not serve (a bias gradient, softcap with label
+    smoothing, or with backward="auto" a threshold below 2^-10) takes the exact path: the plan
+    says so, and the loss and gradients are bit for bit those of filter_eps=None."""
+    from cce._dispatch import SPARSE_MIN_EPS
+
+    eps = 2e-3 if opts else SPARSE_MIN_EPS / 4
+    e, c, t, b, opts = _inputs((33,), 24, 257, torch.float32, dict(opts), seed=14)
+    fn = tuned(**tuning)
+    plan = cce.explain(e, c, t, b, impl="triton", tuning=cce.Tuning(**tuning), filter_eps=eps, **opts)
+    assert plan.backward in ("exact", "fused") and plan.filter_eps == 0, str(plan)
+    assert "does not serve" in str(plan)
+
+    def run(feps):
+        return loss_and_grads(
+            lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b,
+            generator=torch.Generator().manual_seed(3), filter_eps=feps, **opts,
+        )  # fmt: skip
+
+    (loss, _, grads), (loss0, _, grads0) = run(eps), run(None)
+    assert torch.equal(loss, loss0) and len(grads) == len(grads0) == 2 + (b is not None)
+    for x, y in zip(grads, grads0, strict=True):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -193,81 +225,6 @@ def test_default_filter_close_to_exact(dtype):
     c.requires_grad_()
     got, ref = compare_with_reference(_triton, e, c, t, None, seed=4)
     _check(got, ref, dtype)
-
-
-def _filter_bound(e, c, t, eps, BN, BV, skip, perm):
-    """Stated bound of the filter's gradient error (docs/design.md), in float64.
-
-    For a skipped tile T (rows of block b) the correction replaces sum_{v in T} dZ_iv c_v by
-    (sum_{v in T} dZ_iv) cbar_T, so the dE error of row i is at most
-    sum_{skipped T} sum_{v in T} |dZ_iv| ||c_v - cbar_T||, and symmetrically for dC.
-
-    Also the fp32 rounding by which two runs' gradients may differ, per row and per class: the
-    two recompute the logits and lse in different orders, each rounded at about ulp(max |L|)
-    absolute, a relative error of every p_iv, so a few ulps of max |L| times
-    sum_v |dZ_iv| ||c_v|| (dE row i) and sum_i |dZ_iv| ||e_i|| (dC row v); 16 ulps per run.
-    """
-    valid = t != -100
-    n = valid.sum()
-    L = e.double() @ c.double().T
-    P = torch.softmax(L, 1)
-    dZ = P * (valid.double() / n)[:, None]  # alpha_i p_iv, "mean" reduction, unit upstream
-    order = torch.argsort((~valid).int(), stable=True)
-    dZs = dZ[order]
-    es = e.double()[order]
-    cs = c.double()[perm] if perm is not None else c.double()
-    dZs = dZs[:, perm] if perm is not None else dZs
-    nb, nt = skip.shape
-    bound_e = torch.zeros(len(t), dtype=torch.float64)
-    bound_c = torch.zeros(c.shape[0], dtype=torch.float64)
-    for bi in range(nb):
-        rows = slice(bi * BN, min((bi + 1) * BN, len(t)))
-        vrow = valid[order][rows].double()
-        ebar = (es[rows] * vrow[:, None]).sum(0) / vrow.sum().clamp(min=1)
-        for ti in range(nt):
-            if skip[bi, ti] != 1:
-                continue
-            cols = slice(ti * BV, min((ti + 1) * BV, c.shape[0]))
-            cbar = cs[cols].mean(0)
-            A = dZs[rows, cols].abs()
-            bound_e[rows] += A @ (cs[cols] - cbar).norm(dim=1)
-            bound_c[cols] += A.T @ ((es[rows] - ebar).norm(dim=1) * vrow)
-    tau = 2 * 16 * 2.0**-24 * (1 + float(L.abs().max()))
-    round_e = tau * (dZs.abs() @ cs.norm(dim=1))
-    round_c = tau * (dZs.abs().T @ es.norm(dim=1))
-    return bound_e, bound_c, order, round_e, round_c
-
-
-def test_filter_error_within_stated_bound():
-    """With a coarse threshold most tiles are skipped; the recomputing backward's corrected error
-    obeys the bound (the sparse backward's has its own test, test_triton_sparse.py). N = 40 rows
-    (3 token blocks, the last partial), V = 700 (22 tiles, the last partial; 59% skipped)."""
-    from cce.ops.linear_ce.kernels.common import config
-    from cce.ops.linear_ce.rows import RowOrder, vocab_order
-
-    e, c, t = zipf_inputs(40, 48, 700, dtype=torch.float32, seed=9)
-    eps = 2e-3
-
-    def grads(filter_eps):
-        el, cl = e.clone().requires_grad_(), c.clone().requires_grad_()
-        tuned(backward="recompute")(el, cl, t, impl="triton", filter_eps=filter_eps).backward()
-        return el.grad, cl.grad
-
-    dE, dC = grads(eps)
-    dE0, dC0 = grads(None)
-    cfg = config(e.dtype, "bwd")
-    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
-    perm = vocab_order(e, c, None, RowOrder(t, None, -100))
-    skip = tile_skips(e, c, t, eps, BN, BV, perm)
-    frac = float((skip == 1).sum() / (skip >= 0).sum())
-    assert frac > 0.3, frac  # the test must exercise the correction
-    be, bc, order, re, rc = _filter_bound(e, c, t, eps, BN, BV, skip, perm)
-    err_e = (dE - dE0).double().norm(dim=1)
-    err_c = (dC - dC0).double().norm(dim=1)
-    assert (err_e[order] <= be + re).all()
-    assert (err_c[perm] <= bc + rc).all()
-    # ... and the bound is small against the gradient itself here.
-    assert rel_err(dE, dE0) < 2e-2 and rel_err(dC, dC0) < 2e-2
 
 
 @pytest.mark.parametrize("sorted_", [False, True])
@@ -425,9 +382,8 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
         {"fused": False},
         {"backward": "sparse", "sparse_min_flops": 0},
         {"backward": "sparse", "sparse_min_flops": 0, "dense_kept": 0.0},
-        {"backward": "recompute", "sparse_min_flops": 0},
     ],
-    ids=["exact", "sparse", "sparse-all-dense", "recompute"],
+    ids=["exact", "sparse", "sparse-all-dense"],
 )
 def test_poisoned_allocations_change_nothing(variant):
     """Every buffer torch.empty / empty_like / new_empty makes during the step filled first

@@ -34,7 +34,7 @@ class KernelConfig:
 
 
 # One fixed, small config under the interpreter (no autotune there, and it is slow). On Hopper:
-# 128 x 256 forward tiles and 128 x 128 tiles of the recomputing backward, 64-wide D chunks,
+# 128 x 256 forward tiles and 128 x 128 tiles of the exact backward's pointer path, 64-wide D chunks,
 # 8 warps, 4 pipeline stages in the backward (4 x 32 KB of bf16 operand tiles in shared memory,
 # within Hopper's 228 KB); fp32 inputs need smaller D chunks. docs/benchmarks.md has the sweeps.
 INTERPRET_CONFIG = KernelConfig(16, 32, 32, 4, 1)
@@ -42,7 +42,8 @@ INTERPRET_CONFIG = KernelConfig(16, 32, 32, 4, 1)
 
 def config(dtype: torch.dtype, kind: str) -> KernelConfig:
     """The tile configuration of the forward (``kind="fwd"``, also the tiles of the tile
-    statistics and of the sparse backward) or of the recomputing backward (``"bwd"``)."""
+    statistics and of the sparse backward) or of the exact backward's pointer path (``"bwd"``:
+    its dZ slabs where tensor descriptors are not used)."""
     if interpreting():
         return INTERPRET_CONFIG
     if dtype == torch.float32:
