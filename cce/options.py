@@ -69,7 +69,9 @@ class Tuning:
             bias gradient, softcap with label smoothing) the exact path runs.
         chunk_bytes: bytes of chunk-sized temporaries of the PyTorch implementations (None: each
             implementation's default).
-        dz_slab_bytes: bytes of the exact Triton backward's dZ slab.
+        dz_slab_bytes: bytes of the exact Triton backward's dZ slab, and of its row block's
+            fp32 dE rows and gathered E rows (the blocks: at most 8 where dC is 16-bit,
+            cce/ops/linear_ce/kernels/backward_exact.py).
         stats_chain_tiles: vocabulary tiles per carry chain of the tile-statistics encoder.
         de_block_slots: kept-tile dZ scratch slots per token block of the sparse dE writer.
         dc_scratch_tiles: kept-tile dZ scratch slots of the sparse dC writer (None: two per

@@ -53,7 +53,7 @@ def coefficient_backward(
     per-row coefficients: dZ = (alpha p - beta [v == t] - gamma w) softcap' (gamma None: no
     smoothing term), plus the entropy's term eta p z (with the rows' ``entropy``) where ``eta``
     is given; the logits are softcap(x) / ``temperature``, the coefficients scaled by 1 / T
-    already. dC in c's dtype, dE and dbias fp32."""
+    already. dE in e2d's dtype, dC in c's, dbias fp32."""
     r = RowOrder(targets, rows, ignore_index)
     srt = lambda x: x.index_select(0, r.perm).contiguous()  # noqa: E731
     ex = linear_ce_backward_exact(
@@ -61,13 +61,10 @@ def coefficient_backward(
         srt(beta.float()), None if gamma is None else srt(gamma.float()), softcap, need_de, need_dc,
         need_dbias, dz_slab_bytes, eta=None if eta is None else srt(eta.float()), temperature=temperature,
         entropy=None if eta is None else srt(entropy.float()),
-    )  # fmt: skip
-    dE = None
-    if ex.dE is not None:
         # Without `rows` the sorted rows are a permutation of e2d's: every row is written.
-        make = torch.empty if rows is None else torch.zeros
-        dE = make(e2d.shape, dtype=torch.float32, device=e2d.device).index_copy_(0, r.erow_s, ex.dE)
-    return dE, ex.dC, ex.dbias
+        erow_is_permutation=rows is None,
+    )  # fmt: skip
+    return ex.dE, ex.dC, ex.dbias
 
 
 def loss_coefficients(

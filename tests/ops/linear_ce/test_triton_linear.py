@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cce
 from bench.data import zipf_inputs
 from cce import linear_cross_entropy
 from tests.helpers import (
     compare_with_reference,
+    examples,
     loss_and_grads,
     make_linear_inputs,
     poisoned_allocations,
@@ -112,18 +115,66 @@ def test_shapes(lead, D, V):
     _check(got, ref, torch.float32)
 
 
+@pytest.mark.parametrize("grads", ["ecb", "e", "c"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_exact_path_several_slabs(dtype):
-    """The exact backward walks the vocabulary in dZ slabs; force several (last one partial).
-    (fp32 "mean" would take the fused path: turned off here.)"""
-    N, V = 40, 150
-    fn = tuned(dz_slab_bytes=N * 2 * 32 * (4 if dtype == torch.float32 else 2), fused=False)
+def test_exact_path_row_blocks_and_slabs(dtype, grads, monkeypatch):
+    """The exact backward walks the sorted rows in blocks and the vocabulary in dZ slabs within
+    Tuning.dz_slab_bytes; a budget of two tiles' slab at the smallest block forces three blocks
+    of 40 rows (the last partial; the sorted rows' ignored tail in the later blocks, whose dZ rows
+    past the valid ones must not keep the previous block's) and three slabs (the last partial),
+    with every option the
+    pointer kernel takes. (fp32 "mean" would take the fused path: turned off here.)"""
+    import cce.ops.linear_ce.kernels.backward_exact as bx
+    from cce.ops.linear_ce.kernels.common import config
+
+    cfg = config(dtype, "bwd")
+    N, V = 40, 5 * cfg.BLOCK_V - 10
+    fn = tuned(dz_slab_bytes=2 * cfg.BLOCK_N * cfg.BLOCK_V * dtype.itemsize, fused=False)
     opts = {"bias": True, "softcap": 3.0, "label_smoothing": 0.1, "weight": True, "return_lse": True}
     e, c, t, b, opts = _inputs((N,), 50, V, dtype, opts, seed=12)
+    for name, x in (("e", e), ("c", c), ("b", b)):
+        x.requires_grad_(name in grads)
+    assert cfg.BLOCK_N < int((t != -100).sum()) < N  # blocks past the first with rows past the valid
+    calls = []
+    block = bx._exact_block
+    monkeypatch.setattr(bx, "_exact_block", lambda *a: calls.append(a[6].shape) or block(*a))
     got, ref = compare_with_reference(
         lambda *a, **k: fn(*a, impl="triton", **k), e, c, t, b, seed=5, filter_eps=None, **opts
     )
     _check(got, ref, dtype)
+    assert [s[0] for s in calls] == [cfg.BLOCK_N, cfg.BLOCK_N, N - 2 * cfg.BLOCK_N]
+    assert all(s[1] == 2 * cfg.BLOCK_V for s in calls)  # two tiles per slab: three slabs
+
+
+@given(
+    N=st.integers(1, 1 << 17),
+    D=st.integers(1, 8192),
+    e_bytes=st.sampled_from([2, 4]),
+    need=st.sampled_from([(True, True), (True, False), (False, True)]),
+    budget=st.integers(1, 1 << 30),
+    BLOCK_N=st.sampled_from([16, 64, 128]),
+)
+@settings(max_examples=examples(400, 100), deadline=None)
+def test_exact_block_rows(N, D, e_bytes, need, budget, BLOCK_N):
+    """exact_block_rows: whole token blocks that cover the rows in as few blocks as the budget
+    allows (at most EXACT_MAX_ROW_BLOCKS with a 16-bit dC), fitting it unless one token block
+    alone does not or the cap makes them larger."""
+    from cce.ops.linear_ce.kernels.backward_exact import EXACT_MAX_ROW_BLOCKS, exact_block_rows
+
+    need_de, e_rows = need
+    dc_16bit = e_rows and e_bytes == 2
+    R = exact_block_rows(N, D, e_bytes, need_de, e_rows, dc_16bit, budget, BLOCK_N)
+    k = -(-N // R)
+    per_row = D * (4 * need_de + e_bytes * e_rows)
+    fit = max(BLOCK_N, budget // per_row // BLOCK_N * BLOCK_N)  # the most rows the budget holds
+    capped = dc_16bit and -(-N // fit) > EXACT_MAX_ROW_BLOCKS
+    assert R % BLOCK_N == 0 and R >= BLOCK_N
+    assert R - BLOCK_N < -(-N // k)  # balanced: no block is a token block larger than needed
+    if capped:
+        assert k <= EXACT_MAX_ROW_BLOCKS
+    else:  # as few blocks as the budget allows, each within it unless one token block is not
+        assert k == -(-N // fit)
+        assert R * per_row <= budget or R == BLOCK_N
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -380,18 +431,20 @@ def test_merge_splits_matches_the_torch_merge(parts, smoothing):
     "variant",
     [
         {"fused": False},
+        {"fused": False, "dz_slab_bytes": 4096},
         {"backward": "sparse", "sparse_min_flops": 0},
         {"backward": "sparse", "sparse_min_flops": 0, "dense_kept": 0.0},
     ],
-    ids=["exact", "sparse", "sparse-all-dense"],
+    ids=["exact", "exact-row-blocks", "sparse", "sparse-all-dense"],
 )
 def test_poisoned_allocations_change_nothing(variant):
     """Every buffer torch.empty / empty_like / new_empty makes during the step filled first
     (helpers.poisoned_allocations): the loss and gradients are bit for bit those of an ordinary
     run (the interpreter runs programs in a fixed order), so no path reads memory it has not
     written. N = 33 (a partial token block),
-    V = 257 (an odd V, a partial tile), label smoothing; the sparse backward also with every slab
-    dense (dense_kept 0). The fused path has its own (test_triton_fused.py)."""
+    V = 257 (an odd V, a partial tile), label smoothing; the exact backward also in row blocks
+    (a 4 KB budget: three, the last of one row, its dE rows buffer reused); the sparse backward
+    also with every slab dense (dense_kept 0). The fused path has its own (test_triton_fused.py)."""
     e, c, t = zipf_inputs(33, 24, 257, dtype=torch.float32, seed=11)
     e.requires_grad_()
     c.requires_grad_()

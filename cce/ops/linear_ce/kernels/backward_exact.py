@@ -1,11 +1,14 @@
 """The exact backward (filter_eps 0): dZ formed slab by slab of the vocabulary, the gradient
 products by cuBLAS.
 
-For each slab of vocabulary tiles a kernel stores dZ[:, slab] in the operand dtype (the target
-term included, smoothing folded in when gamma is given; dz.py has the maths and the rounding);
-cuBLAS then writes dC[slab] = dZ_slab^T @ E_sorted once (fp32 accumulation inside the GEMM, one
-rounding to c's dtype: no fp32 dC buffer) and accumulates dE_sorted += dZ_slab @ C_slab into an
-fp32 [N, D] buffer. Four matmul-sized passes: the forward, the dZ recompute, the two products.
+The sorted rows are taken in blocks (exact_block_rows: the block's fp32 dE rows and gathered E
+rows within the slab budget, so the memory is flat in N; one block up to N D 6 bytes of it). In
+a block, for each slab of vocabulary tiles a kernel stores dZ[:, slab] in the operand dtype (the
+target term included, smoothing folded in when gamma is given; dz.py has the maths and the
+rounding); cuBLAS then writes dC[slab] = dZ_slab^T @ E_block (fp32 accumulation inside the GEMM,
+one rounding to c's dtype: no fp32 dC buffer; later blocks add to it, one rounding each) and
+accumulates dE_block += dZ_slab @ C_slab in fp32, rounded once into dE's rows after the block's
+last slab. Four matmul-sized passes: the forward, the dZ recompute, the two products.
 
 On Hopper (common.use_tma) the slab kernel reads its tiles by tensor descriptors with the
 forward's 128 x 256 tiles and one flat (tile, D chunk) loop; its epilogue has no per-entry
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import num_sms
+from ...._dispatch import FUSED_ROUNDED_CHUNKS, num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
@@ -274,11 +277,33 @@ def fp16_dz_bound(alpha, eta, lse, entropy) -> torch.Tensor:
 
 @dataclass
 class ExactOut:
-    """dE (fp32, sorted rows [N, D]), dC (c.dtype), dbias (fp32); None where not needed."""
+    """dE (e2d's dtype and rows, every problem row written: 0 where ignored), dC (c.dtype),
+    dbias (fp32); None where not needed."""
 
     dE: torch.Tensor | None
     dC: torch.Tensor | None
     dbias: torch.Tensor | None
+
+
+# Row blocks of the exact backward: at most this many where dC is 16-bit, since each block past
+# the first adds its fp32 product to the stored dC with one rounding (the fused path's dC over its
+# row chunks, measured up to 3.6e-3 with eight: cce/_dispatch.py, FUSED_ROUNDED_CHUNKS). Past
+# that the blocks grow with N instead.
+EXACT_MAX_ROW_BLOCKS = FUSED_ROUNDED_CHUNKS
+
+
+def exact_block_rows(N: int, D: int, e_bytes: int, need_de: bool, e_rows: bool, dc_16bit: bool,
+                     budget: int, BLOCK_N: int) -> int:  # fmt: skip
+    """Sorted rows per block of linear_ce_backward_exact: a multiple of BLOCK_N whose fp32 dE rows
+    and gathered E rows (``e_rows``) fit ``budget`` bytes, at least BLOCK_N; balanced over the
+    blocks; at most EXACT_MAX_ROW_BLOCKS blocks with a 16-bit dC."""
+    per_row = D * (4 * need_de + e_bytes * e_rows)
+    fit = max(BLOCK_N, budget // max(per_row, 1) // BLOCK_N * BLOCK_N)
+    k = -(-max(N, 1) // fit)
+    if dc_16bit:
+        k = min(k, EXACT_MAX_ROW_BLOCKS)
+    per_block = -(-max(N, 1) // k)
+    return -(-per_block // BLOCK_N) * BLOCK_N
 
 
 def linear_ce_backward_exact(
@@ -302,10 +327,15 @@ def linear_ce_backward_exact(
     eta: torch.Tensor | None = None,
     temperature: float = 1.0,
     entropy: torch.Tensor | None = None,
+    erow_is_permutation: bool = False,
 ) -> ExactOut:
     """Exact gradients of the sorted rows ``e2d[erow]`` (tgt, lse, alpha, beta, gamma per sorted
     row; ``gamma`` given folds the smoothing term into dZ) through dZ slabs of at most
-    ``slab_bytes``. Extra memory: the slab, the sorted rows of e and dE's fp32 buffer.
+    ``slab_bytes``, row block by row block (exact_block_rows: each block's fp32 dE rows and
+    gathered E rows within ``slab_bytes`` too). dE comes in e2d's rows and dtype, rounded once
+    per row; e2d rows no sorted row reads are 0 unless ``erow_is_permutation`` (then none is
+    left out). Extra memory: the slab and one block's buffers, flat in N up to
+    EXACT_MAX_ROW_BLOCKS blocks.
 
     ``tma`` (default: common.use_tma, without a bias gradient) forms the slabs by the
     tensor-descriptor kernel. ``eta`` (per sorted row, with the rows' ``entropy``) adds the
@@ -318,27 +348,50 @@ def linear_ce_backward_exact(
     N = erow.numel()
     V, D = c.shape
     dev = e2d.device
-    tma, cfg, n_slab, max_splits = _exact_geometry(e2d, c, N, need_dbias, slab_bytes, tma)
-    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
-    n_vtiles = triton.cdiv(V, cfg.BLOCK_V)
-    f32 = torch.float32
-    slab = n_slab * cfg.BLOCK_V
-    dE = torch.zeros((N, D), dtype=f32, device=dev) if need_de else None
+    grads = (need_de, need_dc, need_dbias)
+    tma, cfg, R, n_slab, max_splits = _exact_geometry(e2d, c, N, grads, slab_bytes, tma)
+    make = torch.empty if erow_is_permutation and N == e2d.shape[0] else torch.zeros
+    dE = make(e2d.shape, dtype=e2d.dtype, device=dev) if need_de else None
     # Every slab writes all of its rows of dC (no memset of V x D) unless there are no rows at all.
     dC = (torch.empty if N > 0 else torch.zeros)((V, D), dtype=c.dtype, device=dev) if need_dc else None
-    db = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
+    db = torch.zeros(V, dtype=torch.float32, device=dev) if need_dbias else None
     out = ExactOut(dE, dC, db)
     if N == 0 or not (need_de or need_dc or need_dbias):
         return out
-    # Rows past n_valid are never written by the kernels: zero once, they stay zero.
-    DZ = torch.zeros((N, slab), dtype=e2d.dtype, device=dev)
     scale = inv = None
     if e2d.dtype == torch.float16:
         scale = fp16_dz_bound(alpha, eta, lse, entropy).amax().clamp(min=1e-30).reshape(1)
         inv = (1.0 / scale).contiguous()
-    E_s = e2d.index_select(0, erow) if (need_dc or tma) else None
+    rows = dict(erow=erow, tgt=tgt, lse=lse, alpha=alpha, beta=beta, gamma=gamma, eta=eta)
+    # Block buffers, reused: dZ (rows past a block's valid ones read as 0: zeroed per block, since
+    # the previous block may have written them), the fp32 dE rows, the target remainders.
+    DZ = torch.zeros((min(R, N), n_slab * cfg.BLOCK_V), dtype=e2d.dtype, device=dev)
+    dE_b = torch.empty((min(R, N), D), dtype=torch.float32, device=dev) if need_de else None
+    for r0 in range(0, N, R):
+        r1 = min(N, r0 + R)
+        blk = {k: None if v is None else v[r0:r1] for k, v in rows.items()}
+        nv = (n_valid - r0).clamp(min=0, max=r1 - r0)
+        if r0 > 0:
+            DZ.zero_()
+        de = None if dE_b is None else dE_b[: r1 - r0].zero_()
+        _exact_block(e2d, c, bias, weight, blk, nv, DZ[: r1 - r0], de, dC, db, r0 > 0, softcap, tma, cfg,
+                     n_slab, max_splits, scale, inv, temperature)  # fmt: skip
+        if de is not None:
+            dE.index_copy_(0, blk["erow"], de.to(e2d.dtype))
+    return out
+
+
+def _exact_block(e2d, c, bias, weight, blk: dict, nv, DZ, dE, dC, db, accumulate_dc: bool, softcap: float,
+                 tma: bool, cfg: KernelConfig, n_slab: int, max_splits: int, scale, inv,
+                 temperature: float) -> None:  # fmt: skip
+    """One row block of linear_ce_backward_exact: ``blk`` the block's sorted-row slices (erow, tgt,
+    lse, alpha, beta, gamma, eta), ``nv`` its valid rows (device); dE its fp32 rows (zeroed), dC
+    written (``accumulate_dc``: added to) slab by slab, db added to."""
+    N, (V, D), dev, f32 = blk["erow"].numel(), c.shape, e2d.device, torch.float32
+    n_blocks, n_vtiles, slab = triton.cdiv(N, cfg.BLOCK_N), triton.cdiv(V, cfg.BLOCK_V), DZ.shape[1]
+    E_s = e2d.index_select(0, blk["erow"]) if (dC is not None or tma) else None
     # The target entry's rounding remainder goes back into the fp32 dE (dC is rounded once).
-    lo = torch.zeros(N, dtype=f32, device=dev) if (e2d.dtype != f32 and need_de) else None
+    lo = torch.zeros(N, dtype=f32, device=dev) if (e2d.dtype != f32 and dE is not None) else None
     ctx = device_context(dev)
     if tma:
         TD = tensor_descriptor()
@@ -346,13 +399,13 @@ def linear_ce_backward_exact(
         c_desc = TD.from_tensor(c, [cfg.BLOCK_V, cfg.BLOCK_D])
         zt = torch.empty(N, dtype=f32, device=dev)
         with ctx:
-            target_logits(e2d, c, bias, erow, tgt, n_valid, softcap, zt, temperature)
+            target_logits(e2d, c, bias, blk["erow"], blk["tgt"], nv, softcap, zt, temperature)
     common = dict(
-        Bias=bias, W=weight, NValid=n_valid, Lse=lse, Alpha=alpha, Gamma=gamma, Eta=eta, DZ=DZ,
-        InvScale=inv, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, HAS_TEMP=temperature != 1.0,
-        inv_temp=1.0 / temperature, BLOCK_N=cfg.BLOCK_N, BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D,
-        PRECISION=precision(e2d.dtype), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        Bias=bias, W=weight, NValid=nv, Lse=blk["lse"], Alpha=blk["alpha"], Gamma=blk["gamma"],
+        Eta=blk["eta"], DZ=DZ, InvScale=inv, softcap=float(softcap), HAS_SOFTCAP=softcap > 0,
+        HAS_TEMP=temperature != 1.0, inv_temp=1.0 / temperature, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_V=cfg.BLOCK_V, BLOCK_D=cfg.BLOCK_D, PRECISION=precision(e2d.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     for t0 in range(0, n_vtiles, n_slab):
         nt = min(n_slab, n_vtiles - t0)
@@ -366,40 +419,52 @@ def linear_ce_backward_exact(
                 )  # fmt: skip
                 TB = 256
                 _dz_target_kernel[(triton.cdiv(N, TB),)](
-                    Zt=zt, Tgt=tgt, NValid=n_valid, Lse=lse, Alpha=alpha, Beta=beta, Gamma=gamma,
-                    W=weight, Eta=eta, DZ=DZ, InvScale=inv, TLo=lo, v0=v0, v1=v1, stride_dz=slab,
-                    softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK=TB, inv_temp=1.0 / temperature,
+                    Zt=zt, Tgt=blk["tgt"], NValid=nv, Lse=blk["lse"], Alpha=blk["alpha"], Beta=blk["beta"],
+                    Gamma=blk["gamma"], W=weight, Eta=blk["eta"], DZ=DZ, InvScale=inv, TLo=lo, v0=v0, v1=v1,
+                    stride_dz=slab, softcap=float(softcap), HAS_SOFTCAP=softcap > 0, BLOCK=TB,
+                    inv_temp=1.0 / temperature,
                 )  # fmt: skip
             else:
                 _dz_slab_kernel[(n_blocks, nt)](
-                    E=e2d, C=c, Erow=erow, Tgt=tgt, Beta=beta, TLo=lo, dBias=db, N=N, V=V, D=D,
-                    stride_e=e2d.stride(0), stride_c=c.stride(0), stride_dz=slab, tile0=t0, **common,
+                    E=e2d, C=c, Erow=blk["erow"], Tgt=blk["tgt"], Beta=blk["beta"], TLo=lo, dBias=db, N=N,
+                    V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), stride_dz=slab, tile0=t0,
+                    **common,
                 )  # fmt: skip
         for k0, k1 in aligned_parts(v1 - v0):
-            slab_products(DZ[:, k0:k1], c[v0 + k0 : v0 + k1], E_s, dE, dC, v0 + k0, scale)
+            slab_products(DZ[:, k0:k1], c[v0 + k0 : v0 + k1], E_s, dE, dC, v0 + k0, scale, accumulate_dc)
     if lo is not None:
-        add_target_lo(e2d, c, torch.arange(N, device=dev), tgt, lo, dE, None)
-    return out
+        add_target_lo(e2d, c, torch.arange(N, device=dev), blk["tgt"], lo, dE, None)
 
 
 def _exact_geometry(
-    e2d: torch.Tensor, c: torch.Tensor, N: int, need_dbias: bool, slab_bytes: int, tma: bool | None
-) -> tuple[bool, KernelConfig, int, int]:
-    """(tma, the kernels' config, tiles per dZ slab, vocabulary splits per TMA launch) of
-    linear_ce_backward_exact: ``tma`` resolved (None: common.use_tma, without a bias gradient)
-    and checked; slabs of at most ``slab_bytes``."""
+    e2d: torch.Tensor,
+    c: torch.Tensor,
+    N: int,
+    grads: tuple[bool, bool, bool],
+    slab_bytes: int,
+    tma: bool | None,
+) -> tuple[bool, KernelConfig, int, int, int]:
+    """(tma, the kernels' config, sorted rows per block, tiles per dZ slab, vocabulary splits per
+    TMA launch) of linear_ce_backward_exact for ``grads`` = (dE, dC, dbias) asked for: ``tma``
+    resolved (None: common.use_tma, without a bias gradient) and checked; blocks by
+    exact_block_rows, slabs of at most ``slab_bytes``."""
+    need_de, need_dc, need_dbias = grads
     simple = not need_dbias and tma_rows_ok(c)
     tma = (simple and use_tma(e2d, c)) if tma is None else tma
     if tma and not simple:
         raise ValueError("tma=True: no bias gradient, 16-byte aligned classifier rows")
     cfg = config(e2d.dtype, "fwd" if tma else "bwd")
-    n_blocks = triton.cdiv(N, cfg.BLOCK_N)
+    dc_16bit = need_dc and c.dtype != torch.float32
+    R = exact_block_rows(N, c.shape[1], e2d.element_size(), need_de, need_dc or tma, dc_16bit, slab_bytes,
+                         cfg.BLOCK_N)  # fmt: skip
+    rows = min(R, max(N, 1))
+    n_blocks = triton.cdiv(rows, cfg.BLOCK_N)
     n_vtiles = triton.cdiv(c.shape[0], cfg.BLOCK_V)
-    n_slab = slab_tiles(N, n_vtiles, cfg.BLOCK_V, e2d.element_size(), slab_bytes)
+    n_slab = slab_tiles(rows, n_vtiles, cfg.BLOCK_V, e2d.element_size(), slab_bytes)
     max_splits = 1
     if tma:
         max_splits = max(1, triton.cdiv(FWD_PROGRAMS_PER_SM_TMA * num_sms(e2d.device), n_blocks))
         if max_splits <= n_slab < n_vtiles:
             # A whole number of tiles per split (the splits are the grid's waves of equal programs).
             n_slab = min(n_vtiles, round(n_slab / max_splits) * max_splits)
-    return tma, cfg, n_slab, max_splits
+    return tma, cfg, R, n_slab, max_splits
