@@ -139,7 +139,11 @@ def _dz_slab_tma_kernel(
             if HAS_SOFTCAP:
                 dz *= 1.0 - th * th
             dz_ptr = row_ptr + (offs_p - tile0 * BLOCK_V)[None, :]
-            tl.store(dz_ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None] & col_mask[None, :])
+            # The slab buffer holds whole tiles (stride_dz >= its tiles' columns): the columns
+            # past V are written 0 rather than masked, which keeps the store vectorized at an odd V
+            # (a mask at V made it one element per store); the products read the first V.
+            dz = tl.where(col_mask[None, :], dz, 0.0)
+            tl.store(dz_ptr, dz.to(DZ.dtype.element_ty), mask=(offs_n < N)[:, None])
             acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
 
 
