@@ -511,7 +511,8 @@ def _fused_backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db, g_tgt, g_ent, _g_am
         )  # fmt: skip
         for j, (x, ref) in enumerate(zip(extra, (e2d, c, bias), strict=True)):
             if need[j] and ref is not None:
-                grads[j] = x if grads[j] is None else (grads[j].float() + x.float()).to(ref.dtype)
+                # (a 16-bit add computes in fp32 and rounds once: no fp32 [N, D] temporaries)
+                grads[j] = x if grads[j] is None else grads[j] + x
     return (*grads, *(None,) * (len(FusedArgs._fields) - 3))
 
 
