@@ -8,7 +8,7 @@ Both implementations pose the block as a one-device problem and run their single
 op on it (impl="triton": triton_impl.linear_ce_triton_fwd; impl="torch":
 torch_impl.linear_ce_torch_fwd), whose upstream gradients are the rank's (below), so that
 autograd runs the op's own backward: for impl="triton" the same tile statistics, vocabulary
-order and backward algorithm as one device (sparse, recomputing or exact, chosen by
+order and backward algorithm as one device (sparse or exact, chosen by
 block_plan, cce._dispatch.plan_triton), dE written into the forward's stash in e's dtype (no fp32
 gradient buffers); for impl="torch" the chunked loop and its CPU filter. Both are opaque to
 torch.compile.

@@ -77,8 +77,8 @@ def _dz_slab_tma_kernel(
     """The dZ slab by tensor descriptors: each program walks its balanced share of the slab's
     tiles [tile0, tile_hi) for one token block in one flat (tile, D chunk) loop, as the forward
     kernel does. It stores (alpha p [- gamma w]) softcap'; _dz_target_kernel then overwrites the
-    target entries. Rows past n_valid get p = 0 through lse = +inf (and alpha = 0), columns past
-    V are not stored.
+    target entries. Rows past n_valid get p = 0 through lse = +inf (and alpha = 0); columns past
+    V are stored as 0 (the slab buffer holds whole tiles; the products read the first V).
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
