@@ -140,6 +140,22 @@ def test_fused_path_odd_v_several_chunks(regime, D, chunks, dc_fp32, monkeypatch
     assert db.dtype == BF and rel_l2(db, db4) <= 1e-2
 
 
+@pytest.mark.parametrize("dtype", [BF, FP16])
+def test_exact_row_blocks(dtype):
+    """The exact backward over four row blocks (Tuning.dz_slab_bytes 1 MiB: 256-row blocks of
+    1000 rows, 16 slabs each at an odd V): the dZ slabs per block (tensor descriptors on Hopper),
+    dC accumulated across the blocks by cuBLAS (one rounding each) or, fp16, through the scaled
+    fp32 products; within the exact path's 5e-3 of the reference and close to the one-block run
+    (dE the same sums in another order, dC three roundings more)."""
+    e, c, t = make_inputs(1000, 512, 32003, "zipf", dtype=dtype, device="cuda", seed=12)
+    ref_loss, ref_dE, ref_dC = _ref(e, c, t)
+    one = _run(e, c, t, fn=tuned(fused=False), filter_eps=None)
+    got = _run(e, c, t, fn=tuned(fused=False, dz_slab_bytes=1 << 20), filter_eps=None)
+    assert abs(float(got[0]) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert rel_l2(got[1], ref_dE) <= 5e-3 and rel_l2(got[2], ref_dC) <= 5e-3
+    assert rel_l2(got[1], one[1]) <= 2e-3 and rel_l2(got[2], one[2]) <= 5e-3
+
+
 def test_sorting_helps_skip_rate():
     """The vocabulary order by mean logit must skip at least as many tiles as id order on zipf."""
     e, c, t = make_inputs(2048, 2048, 128256, "zipf", dtype=BF, device="cuda", seed=4)
