@@ -121,7 +121,7 @@ def _chunk_rows(n_tiles: int, D: int, elem_bytes: int) -> int:
 
 def sparse_backward(
     e2d, c, bias, weight, rows, targets, lse, g, h, ignore_index, softcap, label_smoothing, z_loss,
-    filter_eps, need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *,
+    need_de, need_dc, code, keep, zt_s, vperm, vscore, stash=None, *,
     de_block_slots: int = _T.de_block_slots, dc_scratch_tiles: int | None = _T.dc_scratch_tiles,
     move_bytes: int = _T.stash_move_bytes, return_plan: bool = False, dense_slabs: bool = False,
     dense_kept: float = _T.dense_kept, slab_error: float = _T.slab_error,
@@ -138,10 +138,10 @@ def sparse_backward(
 
     A tile (token block x vocabulary tile, vocabulary in vperm order) is recomputed only when
     ``keep`` says so (the forward found a non-target probability of one of its rows that may
-    reach filter_eps). The others contribute alpha_i S_ij mean(C_j) to dE (S_ij: the tile's
-    non-target mass, decoded from ``code``) and q_v G_j to dC; every target entry
-    alpha p_t - beta is added exactly. Smoothing (never with softcap here) is the exact rank-1
-    term.
+    reach the threshold it gathered the statistics with). The others contribute alpha_i S_ij
+    mean(C_j) to dE (S_ij: the tile's non-target mass, decoded from ``code``) and q_v G_j to dC;
+    every target entry alpha p_t - beta is added exactly. Smoothing (never with softcap here) is
+    the exact rank-1 term.
 
     With ``dense_slabs``, dense slabs (slab_choice.dense_slab_flags: slabs of whole tiles of
     about ``dense_slab_bytes`` of dZ where at least ``dense_kept`` of the (block, tile) pairs

@@ -246,7 +246,6 @@ class SparseBwdArgs(NamedTuple):
     softcap: float
     label_smoothing: float
     z_loss: float
-    filter_eps: float
     need_de: bool
     need_dc: bool
     de_block_slots: int
@@ -282,8 +281,8 @@ def linear_ce_triton_bwd_sparse(a: SparseBwdArgs):
     own = a.stash.numel() == 0
     dE, dC = sparse_backward(
         e2d_k, c_k, bias, weight, a.rows, a.targets, a.lse, a.g, a.h, a.ignore_index, a.softcap,
-        a.label_smoothing, a.z_loss, a.filter_eps, a.need_de, a.need_dc, a.code, a.keep, a.zt, a.vperm,
-        a.vscore, None if own else a.stash, de_block_slots=a.de_block_slots,
+        a.label_smoothing, a.z_loss, a.need_de, a.need_dc, a.code, a.keep, a.zt, a.vperm, a.vscore,
+        None if own else a.stash, de_block_slots=a.de_block_slots,
         dc_scratch_tiles=a.dc_scratch_tiles, move_bytes=a.stash_move_bytes, dense_slabs=a.dense_slabs,
         dense_kept=a.dense_kept, slab_error=a.slab_error, slab_error_dc=a.slab_error_dc,
         dense_slab_bytes=a.dense_slab_bytes, first_order=a.first_order, host_gating=a.host_gating, u=a.u,
@@ -346,7 +345,7 @@ def _backward(
     if a.stats and not need_db:
         dE, dC = linear_ce_triton_bwd_sparse(
             e2d, c, bias, weight, rows, targets, lse, g, g_lse, code, keep, zt, vperm, vscore, stash,
-            a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, a.filter_eps, need_de, need_dc,
+            a.ignore_index, a.softcap, a.label_smoothing, a.z_loss, need_de, need_dc,
             a.de_block_slots, a.dc_scratch_tiles, a.stash_move_bytes, a.dense_slabs, a.dense_kept,
             a.slab_error, a.slab_error_dc, a.dense_slab_bytes, a.first_order, a.host_gating, g_tgt, g_ent,
             ent if g_ent is not None else None, order, n_valid, cmeans, a.temperature,

@@ -85,7 +85,7 @@ def test_dc_estimates_are_exact_when_every_row_is_sampled(kind, monkeypatch):
     cm = tile_means(c, out[5], BV, torch.float32)
     est = _estimates(e, c, t, g, out, width, rows=N, cm=cm)
     want = _oracle_dc(e, c, t, g)
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:8])
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
     _, dC0 = sparse_backward(*args, dense_slabs=False)
 
     def all_sparse_terms_on(code, keep, n_valid, BLOCK_N, tps, *rest, **kw):
@@ -280,7 +280,7 @@ def test_dc_estimates_from_sampled_rows(kind, eps):
     width = 4 * BV
     est = _estimates(e, c, t, g, out, width, rows=32)
     want = _oracle_dc(e, c, t, g)
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8])
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
     _, dC0 = sparse_backward(*args, dense_slabs=False)
     true = _per_slab(dC0, want, out[5], width)
     got = est.dc_err.double().clamp(min=0)

@@ -290,7 +290,7 @@ def test_mixed_slabs_exact_where_dense():
     )
     out = _fwd(e, c, None, t, eps, tu)
     g = torch.rand(N, generator=torch.Generator().manual_seed(2))
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8])
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
     kw = {"dense_slabs": True, "dense_kept": 0.2, "slab_error": 2.0, "dense_slab_bytes": N * 4 * 64}
     r = RowOrder(t, None, -100)
     BN, BV = stats_blocks(e.dtype)

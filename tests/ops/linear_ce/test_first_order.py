@@ -234,7 +234,7 @@ def test_sparse_backward_with_first_order_is_the_model(std, entropy, temp, V, mo
         seen["flags"] = orig(*a, **k)
         return seen["flags"]
 
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, EPS, True, True, *out[2:8])
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
     kw = {"temperature": temp}
     if entropy:
         z = e.double() @ c.double().T

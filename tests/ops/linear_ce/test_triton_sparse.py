@@ -249,7 +249,7 @@ def test_sparse_filter_sound_and_within_stated_bound(opts):
     w_t = _math.target_weight(None, t, valid)
     g = _math.row_upstream(torch.ones(()), w_t, red, len(t))
     dE, dC, plan = sparse_backward(
-        e, c, bias, None, None, t, lse, g, None, -100, softcap, ls, zl, eps, True, True,
+        e, c, bias, None, None, t, lse, g, None, -100, softcap, ls, zl, True, True,
         code, keep, zt, vperm, vscore, return_plan=True, temperature=temp,
     )  # fmt: skip
     # The exact gradients: the float64 oracle on the same inputs (the fp32 paths' own rounding,
@@ -316,7 +316,7 @@ def test_sparse_entropy_term_within_stated_bound(softcap, d, temp):
     p = torch.softmax(z, 1)
     H = (lse_t - (p * z).sum(1)).float()
     dE, dC, plan = sparse_backward(
-        e, c, None, None, None, t, lse, g, None, -100, softcap, 0.0, 0.0, eps, True, True,
+        e, c, None, None, None, t, lse, g, None, -100, softcap, 0.0, 0.0, True, True,
         code, keep, zt, vperm, vscore, return_plan=True, delta=delta, entropy=H, temperature=temp,
     )  # fmt: skip
     ed, cd = e.double().requires_grad_(), c.double().requires_grad_()
@@ -361,7 +361,7 @@ def test_sparse_entropy_term_within_stated_bound(softcap, d, temp):
     # is the exact float64 term up to the filter's error (checked where the term is not lost in
     # that error: at d = 1, where it is 25-72% of dE's norm; 0.2-2% at d = 0.01).
     dE1, dC1 = sparse_backward(
-        e, c, None, None, None, t, lse, g, None, -100, softcap, 0.0, 0.0, eps, True, True,
+        e, c, None, None, None, t, lse, g, None, -100, softcap, 0.0, 0.0, True, True,
         code, keep, zt, vperm, vscore, temperature=temp,
     )  # fmt: skip
     if d >= 1:
@@ -403,7 +403,7 @@ def test_scratch_and_recompute_agree():
     eps = 2e-3
     out = _fwd(e, c, None, None, t, "mean", 0.0, 0.0, 0.0, eps)
     g = torch.full((64,), 1 / 64)
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8])
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
     dE, dC, plan = sparse_backward(*args, return_plan=True)
     cap = KS.kept_scratch_tiles(64, e.dtype)
     assert 0 < cap < int(plan.n_kept)  # both sources in use
@@ -459,7 +459,7 @@ def test_stash_layout_gives_the_same_gradients(dtype, D, shift):
             raw = out[7].view(-1).view(torch.uint8)
             raw[: raw.numel() - (N * nt if fits else 0)] = 255
         dE, dC = sparse_backward(
-            e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8],
+            e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8],
             move_bytes=move,
         )  # fmt: skip
         if stash:
@@ -562,7 +562,7 @@ def test_minus_inf_bias_masking_whole_tiles(entropy):
         H = (lse_t - torch.where(p > 0, p * z, 0.0).sum(1)).float()
         kw = dict(delta=-torch.rand(N, generator=torch.Generator().manual_seed(3)) / N, entropy=H)
     dE, dC, plan = sparse_backward(
-        e, c, b, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8],
+        e, c, b, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8],
         return_plan=True, **kw,
     )  # fmt: skip
     assert torch.isinf(out[6]).sum() >= 150 and torch.isfinite(plan.q).all()
@@ -640,7 +640,7 @@ def test_backward_reads_the_forwards_orders(shift):
     order, n_valid = out[11], out[12]
     assert order.shape == (3 * N + V,) and int(n_valid) == int((t != -100).sum())
     g = torch.rand(N)
-    args = (e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, eps, True, True, *out[2:8])
+    args = (e, c, None, None, rows, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
     kw = dict(dense_slabs=True, slab_error=0.05, dense_kept=0.5)
     dE, dC = sparse_backward(*args, **kw)
     dE2, dC2 = sparse_backward(*args, **kw, order=order, n_valid=n_valid)
