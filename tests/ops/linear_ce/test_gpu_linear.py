@@ -183,10 +183,17 @@ def test_compile_fullgraph():
     assert rel_l2(ge2, ge) < 1e-3 and rel_l2(gc2, gc) < 1e-3  # fp32 atomics order only
 
 
-@pytest.mark.parametrize("feps,variant", [("auto", "sparse"), ("auto", "dense-slabs"), (None, "sparse")])
+# The four-pass exact backward in four row blocks of 128 rows (a 1 MiB budget at D = 1024).
+_GRAPH_VARIANTS = {**_VARIANTS, "exact-row-blocks": {"fused": False, "dz_slab_bytes": 1 << 20}}
+
+
+@pytest.mark.parametrize(
+    "feps,variant",
+    [("auto", "sparse"), ("auto", "dense-slabs"), (None, "sparse"), (None, "exact-row-blocks")],
+)
 def test_cuda_graph_capture(feps, variant):
     """A fwd+bwd step captures in a CUDA graph (no host sync anywhere) and replays on new data."""
-    lce = tuned(**_VARIANTS[variant])
+    lce = tuned(**_GRAPH_VARIANTS[variant])
     out, (e, c), (e2, c2, t2) = captured_step(
         lambda e, c, t: lce(e, c, t, impl="triton", filter_eps=feps), (512, 1024, 8192), "zipf", 5
     )
