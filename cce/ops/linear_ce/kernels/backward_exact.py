@@ -368,7 +368,7 @@ def linear_ce_backward_exact(
         inv = (1.0 / scale).contiguous()
     rows = dict(erow=erow, tgt=tgt, lse=lse, alpha=alpha, beta=beta, gamma=gamma, eta=eta)
     # Block buffers, reused: dZ (rows past a block's valid ones read as 0: zeroed per block, since
-    # the previous block may have written them), the fp32 dE rows, the target remainders.
+    # the previous block may have written them) and the fp32 dE rows.
     DZ = torch.zeros((min(R, N), n_slab * cfg.BLOCK_V), dtype=e2d.dtype, device=dev)
     dE_b = torch.empty((min(R, N), D), dtype=torch.float32, device=dev) if need_de else None
     for r0 in range(0, N, R):
