@@ -302,10 +302,10 @@ def skip_rate(e, c, t, eps: float, sort_vocab: bool) -> float:
     the exact backward's pointer tiles), on the vocabulary sorted by mean logit (as the filtered
     backward walks it) or in id order."""
     from cce.ops.linear_ce.kernels.common import config
-    from cce.ops.linear_ce.rows import RowOrder, vocab_order
+    from cce.ops.linear_ce.rows import RowOrder, vocab_scores
 
     cfg = config(e.dtype, "bwd")
-    perm = vocab_order(e, c, None, RowOrder(t, None, -100)) if sort_vocab else None
+    perm = vocab_scores(e, c, None, RowOrder(t, None, -100))[0] if sort_vocab else None
     sk = tile_skips(e, c, t, eps, cfg.BLOCK_N, cfg.BLOCK_V, perm)
     return float((sk == 1).sum() / (sk >= 0).sum().clamp(min=1))
 

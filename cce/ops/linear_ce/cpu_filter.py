@@ -63,25 +63,27 @@ def kept_tiles(pb, P: torch.Tensor, alpha: torch.Tensor, r: torch.Tensor | None)
     n, nb = P.shape[0], math.ceil(pb.V / B)
     nonneg = r is not None or bool((alpha >= 0).all())  # CPU only (filtering is)
     thr = pb.eps * alpha.abs().max()
+    row_scale = lambda rows: 1.0 if r is None else r[rows].abs().max()  # noqa: E731
     whole = pb.V // B
     if whole >= 2 * VOTE_BLOCKS:
         sample = P[:R, : whole * B].view(-1, whole, B)[:, :: whole // VOTE_BLOCKS]  # [rows, ~32, B]
-        colmax = (sample if nonneg else sample.abs()).amax((0, 2))
-        if r is not None:
-            colmax = colmax * r[:R].abs().max()
-        if float((colmax >= thr).float().mean()) > DENSE_FRACTION:
+        colmax = (sample if nonneg else sample.abs()).amax((0, 2)) * row_scale(slice(0, R))
+        if _mostly(colmax >= thr):
             return None
     keep = torch.empty(math.ceil(n / R), nb, dtype=torch.bool)
     for i in range(keep.shape[0]):
         Pr = P[i * R : (i + 1) * R]
-        colmax = Pr.amax(0) if nonneg else Pr.abs().amax(0)
-        if r is not None:
-            colmax = colmax * r[i * R : (i + 1) * R].abs().max()
+        colmax = (Pr.amax(0) if nonneg else Pr.abs().amax(0)) * row_scale(slice(i * R, (i + 1) * R))
         colmax = torch.nn.functional.pad(colmax, (0, nb * B - pb.V))
         keep[i] = colmax.view(nb, B).amax(1) >= thr
-        if i == 0 and float(keep[0].float().mean()) > DENSE_FRACTION:
+        if i == 0 and _mostly(keep[0]):
             return None
-    return None if float(keep.float().mean()) > DENSE_FRACTION else keep
+    return None if _mostly(keep) else keep
+
+
+def _mostly(kept: torch.Tensor) -> bool:
+    """Whether more than DENSE_FRACTION of the tiles ``kept`` flags are kept."""
+    return float(kept.float().mean()) > DENSE_FRACTION
 
 
 def filtered_products(pb, ec, P, keep, need_de, dC, corr):

@@ -118,11 +118,6 @@ def vocab_scores(e2d, c, bias, r: RowOrder) -> tuple[torch.Tensor, torch.Tensor]
     return perm, score
 
 
-def vocab_order(e2d, c, bias, r: RowOrder) -> torch.Tensor:
-    """Vocabulary ids by decreasing mean logit (see vocab_scores)."""
-    return vocab_scores(e2d, c, bias, r)[0]
-
-
 def weighted_rows(w: torch.Tensor, x: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
     """sum_i w_i x[index[i]] (x's rows in order without index), fp32 [D], in row chunks."""
     out = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
