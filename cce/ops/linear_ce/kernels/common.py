@@ -495,15 +495,17 @@ def de_norm_sq(c, tgt, coef, n_valid, ref, pos, ok) -> torch.Tensor:
     return out
 
 
-def add_target_lo(e2d, c, erow, tgt, lo, dE, dC, chunk: int = 8192) -> None:
+def add_target_lo(e2d, c, erow, tgt, lo, dE, dC, chunk_bytes: int = 32 << 20) -> None:
     """Adds the target entries' rounding remainders in fp32 (see dz.py): dE_i += lo_i c_t,
-    dC_t += lo_i e_i (rows in the sorted order; lo is 0 at ignored rows)."""
+    dC_t += lo_i e_i (rows in the sorted order; lo is 0 at ignored rows). By row chunks whose
+    fp32 rows take ``chunk_bytes``: the temporaries stay small at any N and D."""
+    chunk = max(1, chunk_bytes // (4 * max(1, c.shape[1])))
     for s in range(0, lo.numel(), chunk):
         ls, ts, es = lo[s : s + chunk, None], tgt[s : s + chunk], erow[s : s + chunk]
         if dE is not None:
-            dE.index_add_(0, es, ls * c.index_select(0, ts).float())
+            dE.index_add_(0, es, c.index_select(0, ts).float().mul_(ls))
         if dC is not None:
-            dC.index_add_(0, ts, ls * e2d.index_select(0, es).float())
+            dC.index_add_(0, ts, e2d.index_select(0, es).float().mul_(ls))
 
 
 # ---------------------------------------------------------------------------------------------
