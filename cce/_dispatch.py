@@ -229,10 +229,9 @@ def fused_misfit(
     or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
     of a "mean" falls below its normal range); it is the faster one (D >= FUSED_MIN_D, or at most
     FUSED_HOST_BOUND_LOGITS logits); not softcap with label smoothing (whose smoothing term needs
-    the softcap's derivative per entry); and its memory and dC's roundings are bounded: the logits
-    come in at most FUSED_DIRECT_CHUNKS chunks of ``tuning.fused_chunk_bytes`` (dC accumulates in
-    its own dtype), or the fp32 dC accumulator that more chunks need (V D 4 bytes) fits that
-    budget too, or (16-bit operands) they come in at most FUSED_ROUNDED_CHUNKS chunks."""
+    the softcap's derivative per entry). Any number of row chunks: memory is one chunk of
+    ``tuning.fused_chunk_bytes`` and its rows, and dC's sum over the chunks keeps its accuracy
+    (fused_dc16)."""
     if not need_grad:
         return "no gradient is asked for"
     if not tuning.fused:
@@ -245,35 +244,25 @@ def fused_misfit(
         return f"{dtype} operands"
     if D < FUSED_MIN_D and N * V > FUSED_HOST_BOUND_LOGITS:
         return f"D = {D} < {FUSED_MIN_D} with more than 2^29 logits (four passes are faster there)"
-    chunks = fused_chunks(tuning, N, V, dtype.itemsize)
-    if chunks <= FUSED_DIRECT_CHUNKS or 4 * V * D <= tuning.fused_chunk_bytes:
-        return None
-    if dtype != torch.float32 and chunks <= FUSED_ROUNDED_CHUNKS:
-        return None
-    return (
-        f"{chunks} chunks of q would need an fp32 dC accumulator of {4 * V * D / 2**20:.0f} MiB, "
-        f"above Tuning.fused_chunk_bytes"
-    )
+    return None
 
 
-# dC of the fused path over several row chunks: up to FUSED_DIRECT_CHUNKS chunks it accumulates
-# in c's dtype (cuBLAS adds each chunk's fp32 product to the stored dC and rounds once per chunk:
-# a bf16 dC carries one rounding per chunk, RMS error ~ sqrt(k) times one rounding's); from more
-# chunks on in an fp32 accumulator of V D 4 bytes where that fits the chunk budget, else (a large
-# vocabulary and hidden size: 2.4 GB at gemma2-2b's head) still in c's dtype up to
-# FUSED_ROUNDED_CHUNKS chunks. Measured against fp32 gradients (bf16, one H200): dC's error 1.6e-3
-# to 2.1e-3 with the four-pass exact backward, 2.9e-3 with 4 chunks, 1.8e-3 (random) to 3.6e-3
-# (real text) with 8 on zipf, random, real-text and untrained-model data (gemma2-2b's head at
-# N = 8192, llama3-8b's at N = 16384), 3.1e-3 to 4.7e-3 with 16 (llama3-8b's at N = 32768): so 8,
-# for 11-25% less time than four passes (docs/benchmarks.md, "The fused exact path").
-FUSED_DIRECT_CHUNKS = 4
-FUSED_ROUNDED_CHUNKS = 8
+# dC of the fused path over several row chunks: up to FUSED_DIRECT_CHUNKS chunks cuBLAS adds each
+# chunk's fp32 product to the stored dC, one rounding to c's dtype per chunk (a bf16 dC's RMS
+# error grows ~ sqrt(k) times one rounding's: against fp32 gradients on one H200, 1.6e-3 to
+# 2.1e-3 with the four-pass exact backward, 2.9e-3 with 4 chunks, up to 3.6e-3 with 8 and 4.7e-3
+# with 16, docs/benchmarks.md, "The fused exact path"). With more chunks and 16-bit operands the
+# running sum is kept in dC's storage as scaled fp16, 8x finer per rounding
+# (kernels/dc_accumulate.py: 1.8e-3 to 2.1e-3 with 32 chunks); its Triton product takes 1.03-1.15x
+# cuBLAS's time per chunk (H200, 1024 to 8192 rows), so it starts where bf16 would round too often.
+# fp32 operands accumulate in dC itself.
+FUSED_DIRECT_CHUNKS = 8
 
 
-def fused_dc_fp32(chunks: int, V: int, D: int, chunk_bytes: int, dtype: torch.dtype) -> bool:
-    """Whether the fused path's dC accumulates in an fp32 buffer (16-bit operands in more than
-    FUSED_DIRECT_CHUNKS chunks, where its V D 4 bytes fit ``chunk_bytes``) rather than in dC."""
-    return dtype != torch.float32 and chunks > FUSED_DIRECT_CHUNKS and 4 * V * D <= chunk_bytes
+def fused_dc16(chunks: int, dtype: torch.dtype) -> bool:
+    """Whether the fused path's dC sums its chunks in scaled fp16 (16-bit operands in more than
+    FUSED_DIRECT_CHUNKS chunks) rather than by cuBLAS in c's dtype."""
+    return dtype != torch.float32 and chunks > FUSED_DIRECT_CHUNKS
 
 
 # Rows of the fused path's chunk buffer: q (then dZ) padded to a multiple of this many classes

@@ -61,8 +61,8 @@ CASES = [
     # N * V = 4.19e9 > 2^31: int64 offsets in every pointer that mixes rows and vocab / D.
     pytest.param(16384, 2304, 256000, "zipf", BF, "auto", 1e-2, marks=pytest.mark.slow),
     (16384, 2304, 256000, "random", BF, None, 5e-3),
-    # The fused exact path in 8 row chunks, dC rounded to bf16 after each (its fp32 accumulator
-    # above the chunk budget: cce._dispatch.FUSED_ROUNDED_CHUNKS; measured 3.5e-3 on zipf data).
+    # The fused exact path in 8 row chunks, dC rounded to bf16 after each (cuBLAS:
+    # cce._dispatch.FUSED_DIRECT_CHUNKS; measured 3.5e-3 on zipf data).
     (8192, 2304, 256000, "zipf", BF, None, 5e-3),
 ]
 
@@ -110,16 +110,15 @@ def test_bias_softcap_mid_size():
 
 
 @pytest.mark.parametrize("regime", ["zipf", "random"])
-@pytest.mark.parametrize("D, chunks, dc_fp32", [(1024, 3, False), (256, 5, True), (1024, 7, False)])
-def test_fused_path_odd_v_several_chunks(regime, D, chunks, dc_fp32, monkeypatch):
+@pytest.mark.parametrize("D, chunks", [(1024, 3), (256, 7), (1024, 9), (1024, 24)])
+def test_fused_path_odd_v_several_chunks(regime, D, chunks, monkeypatch):
     """The fused exact path in bf16 (the interpreter cannot check it): an odd V (the products
-    by aligned parts, padded rows), several row chunks (3: dC accumulated in bf16, one rounding
-    per chunk; 5 > FUSED_DIRECT_CHUNKS: in the fp32 accumulator, which fits the budget; 7: in
-    bf16 again, the accumulator above the budget and 7 <= FUSED_ROUNDED_CHUNKS), bias and
+    by aligned parts, padded rows), several row chunks (3, 7: dC accumulated in bf16 by cuBLAS, one
+    rounding per chunk; 9, 24 > FUSED_DIRECT_CHUNKS: in scaled fp16 in dC's storage), bias and
     softcap, against the reference at the exact path's tolerance, and against the four-pass
     exact backward."""
     import cce.ops.linear_ce.triton_impl as ti
-    from cce._dispatch import fused_chunks, fused_dc_fp32
+    from cce._dispatch import FUSED_DIRECT_CHUNKS, fused_chunks, fused_dc16
 
     calls = []
     real = ti.linear_ce_fused
@@ -130,7 +129,7 @@ def test_fused_path_odd_v_several_chunks(regime, D, chunks, dc_fp32, monkeypatch
     ref_loss, ref_dE, ref_dC = _ref(e, c, t, bias=bias, softcap=15.0)
     budget = 2 * 50272 * -(-N // chunks)  # rows of 50272 padded bf16 classes per chunk
     assert fused_chunks(Tuning(fused_chunk_bytes=budget), N, V, 2) == chunks
-    assert fused_dc_fp32(chunks, V, D, budget, BF) == dc_fp32
+    assert fused_dc16(chunks, BF) == (chunks > FUSED_DIRECT_CHUNKS)
     fused = tuned(fused_chunk_bytes=budget)
     loss, dE, dC, db = _run(e, c, t, bias, fn=fused, softcap=15.0, filter_eps=None)
     assert calls, "the fused path did not run"

@@ -25,10 +25,9 @@ from cce._dispatch import (
     FUSED_DIRECT_CHUNKS,
     FUSED_HOST_BOUND_LOGITS,
     FUSED_MIN_D,
-    FUSED_ROUNDED_CHUNKS,
     fused_chunk_rows,
     fused_chunks,
-    fused_dc_fp32,
+    fused_dc16,
     fused_fits,
     fused_one_chunk,
     linear_backward,
@@ -244,27 +243,16 @@ def test_fused_dispatch():
     assert fused_fits(T, "mean", bf16, small_n, 50257, FUSED_MIN_D - 1, True)
     assert not fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D - 1, True)
     assert fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D, True)
-    # Memory: up to FUSED_DIRECT_CHUNKS chunks (dC in its own dtype), more only where the fp32
-    # dC accumulator fits the budget. 16 rows of 16000 fp32 logits per MiB.
+    # Any number of chunks (memory is one chunk: 16 rows of 16000 fp32 logits per MiB); past
+    # FUSED_DIRECT_CHUNKS chunks dC sums them in scaled fp16 with 16-bit operands, in itself with fp32.
     Tb = Tuning(fused_chunk_bytes=1 << 20)
     assert fused_chunks(Tb, 16, 16000) == 1 and fused_chunks(Tb, 17, 16000) == 2
     assert fused_chunks(Tb, 16 * FUSED_DIRECT_CHUNKS, 16000) == FUSED_DIRECT_CHUNKS
-    assert fused_fits(Tb, "mean", f32, 16, 16000, 1024, True)  # one chunk
-    assert fused_fits(Tb, "mean", bf16, 16 * FUSED_DIRECT_CHUNKS, 16000, 1024, True)
-    assert fused_fits(Tb, "mean", f32, 16 * FUSED_DIRECT_CHUNKS + 1, 16000, 16, True)  # dC fits
-    assert not fused_fits(Tb, "mean", f32, 16 * FUSED_DIRECT_CHUNKS + 1, 16000, 1024, True)
-    # 16-bit operands: dC rounded once per chunk up to FUSED_ROUNDED_CHUNKS chunks where the fp32
-    # accumulator does not fit (32 rows of 16000 bf16 q per MiB); the accumulator where it does.
-    most = 32 * FUSED_ROUNDED_CHUNKS
-    assert fused_chunks(Tb, most, 16000, 2) == FUSED_ROUNDED_CHUNKS
-    assert fused_fits(Tb, "mean", bf16, most, 16000, 1024, True)
-    assert not fused_fits(Tb, "mean", bf16, most + 1, 16000, 1024, True)
-    assert fused_fits(Tb, "mean", bf16, most + 1, 16000, 16, True)
-    mib = Tb.fused_chunk_bytes
-    assert not fused_dc_fp32(FUSED_DIRECT_CHUNKS, 16000, 16, mib, bf16)
-    assert fused_dc_fp32(FUSED_DIRECT_CHUNKS + 1, 16000, 16, mib, bf16)
-    assert not fused_dc_fp32(FUSED_DIRECT_CHUNKS + 1, 16000, 1024, mib, bf16)
-    assert not fused_dc_fp32(FUSED_DIRECT_CHUNKS + 1, 16000, 16, mib, f32)
+    assert fused_chunks(Tb, 1 << 16, 16000, 2) == 2048
+    for dt in (f32, bf16):
+        assert fused_fits(Tb, "mean", dt, 1 << 16, 16000, 4096, True)
+    assert not fused_dc16(FUSED_DIRECT_CHUNKS, bf16) and fused_dc16(FUSED_DIRECT_CHUNKS + 1, bf16)
+    assert not fused_dc16(FUSED_DIRECT_CHUNKS + 1, f32)
     # Balanced chunks: 33 rows at 16 per chunk are 3 chunks of 11; q in bf16 holds twice the rows.
     assert fused_chunk_rows(33, 16000, 1 << 20) == 11
     assert fused_chunk_rows(33, 16000, 1 << 20, 2) == 17 and fused_chunks(Tb, 33, 16000, 2) == 2
@@ -382,10 +370,9 @@ def test_fused_property_vs_oracle(p, rows):
     if opts["reduction"] == "none":
         opts["reduction"] = "mean"
     e, c, t, b, w = build(p)
-    V, D = p["V"], p["D"]
-    # More than FUSED_DIRECT_CHUNKS chunks need the fp32 dC accumulator (4 V D bytes) within the
-    # budget (fp32 operands: dC itself).
-    budget = 1 << 30 if rows is None else max(rows * 4 * (-(-V // 16) * 16), 4 * V * D)
+    V = p["V"]
+    # fp32 operands: dC accumulates in itself over any number of chunks.
+    budget = 1 << 30 if rows is None else rows * 4 * (-(-V // 16) * 16)
     with mock.patch.object(ti, "linear_ce_fused", wraps=ti.linear_ce_fused) as spy:
         check_against_oracle(e, c, t, b, weight=w, seed=p["seed"], fn=tuned(fused_chunk_bytes=budget), **opts)
     # (softcap with label smoothing takes the exact backward: cce._dispatch.fused_fits)

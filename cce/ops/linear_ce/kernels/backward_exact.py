@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import FUSED_ROUNDED_CHUNKS, num_sms
+from ...._dispatch import num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
@@ -290,10 +290,10 @@ class ExactOut:
 
 
 # Row blocks of the exact backward: at most this many where dC is 16-bit, since each block past
-# the first adds its fp32 product to the stored dC with one rounding (the fused path's dC over its
-# row chunks, measured up to 3.6e-3 with eight: cce/_dispatch.py, FUSED_ROUNDED_CHUNKS). Past
-# that the blocks grow with N instead.
-EXACT_MAX_ROW_BLOCKS = FUSED_ROUNDED_CHUNKS
+# the first adds its fp32 product to the stored dC with one rounding (a bf16 dC summed that way
+# over eight row chunks measured up to 3.6e-3 against fp32 gradients, sixteen 4.7e-3:
+# cce/_dispatch.py, FUSED_DIRECT_CHUNKS). Past that the blocks grow with N instead.
+EXACT_MAX_ROW_BLOCKS = 8
 
 
 def exact_block_rows(N: int, D: int, e_bytes: int, need_de: bool, e_rows: bool, dc_16bit: bool,

@@ -10,16 +10,16 @@ formed while a row chunk's logits are at hand, and the backward only scales them
                                                 dtype, m' the running max     [n, V]   (pass 1)
                           dZ from q, in place   _dz_kernel: dZ = alpha e^(m' - lse) q - ...
                           dE_c = dZ @ C         cuBLAS, fp32 output           [n, D]   (pass 2)
-                          dC  (+)= dZ^T @ E_c   cuBLAS                        [V, D]   (pass 3)
+                          dC  (+)= dZ^T @ E_c   cuBLAS, or dc_accumulate.py   [V, D]   (pass 3)
 
 against four passes of the exact backward (forward, dZ recompute, two products). Besides the
 three GEMMs' own operand and output traffic (q written once, dZ read twice: as three bf16
 GEMMs), the step moves 4 bytes per logit (16-bit operands): _dz_kernel reading q and writing dZ
 over it. Memory: one chunk of q (``chunk_bytes``; its rows padded to 16 classes, FUSED_PAD_CLASSES,
-16-byte aligned for cuBLAS), the chunk's fp32 dE rows (finished into dE after each chunk) and,
-past FUSED_DIRECT_CHUNKS chunks, an fp32 dC accumulator where it fits the chunk budget (else, and
-up to that many, dC accumulates in c's dtype: one rounding per chunk); the dispatcher
-(cce._dispatch.fused_fits) takes this path only where the memory and dC's roundings are bounded.
+16-byte aligned for cuBLAS), the chunk's fp32 dE rows (finished into dE after each chunk) and
+its gathered rows of E: flat in N. dC sums the chunks in its own storage: in c's dtype up to
+FUSED_DIRECT_CHUNKS chunks (cuBLAS, one rounding per chunk), past that in scaled fp16
+(dc_accumulate.py, 8x finer roundings), so its error stays bounded at any number of chunks.
 
 Rounding: q = e^(L - m') <= 1 rounds once (relative 2^-9 in bf16, which keeps fp32's exponent
 range), dZ = f q once more: the same relative error per entry as a dZ rounded from fp32 logits,
@@ -42,10 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import fused_chunk_rows, fused_dc_fp32, fused_padded_classes, interpreting
+from ...._dispatch import fused_chunk_rows, fused_dc16, fused_padded_classes, interpreting
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import aligned_parts, check_inputs, config, device_context, slab_products
+from .dc_accumulate import dc16_scale, dc_accumulate, dz_row_bound
 from .forward import linear_ce_forward
 
 
@@ -206,14 +207,13 @@ def linear_ce_fused(
     dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
     n = fused_chunk_rows(N, V, chunk_bytes, e2d.element_size())
     chunks = -(-N // n)
-    # dC: written by the first chunk, accumulated by the next ones (cuBLAS, beta = 1: fp32
-    # accumulation, one rounding to the stored dtype per chunk); past FUSED_DIRECT_CHUNKS chunks
-    # in an fp32 buffer where it fits the chunk budget, rounded once at the end
-    # (cce._dispatch.fused_dc_fp32; the dispatcher bounds the roundings otherwise).
-    f32_acc = fused_dc_fp32(chunks, V, D, chunk_bytes, c.dtype)
-    dC = None
+    # dC: written by the first chunk, accumulated by the next ones in its own storage (cuBLAS in
+    # c's dtype, or scaled fp16 past FUSED_DIRECT_CHUNKS chunks: cce._dispatch.fused_dc16).
+    dC = S = None
     if need_dc:
-        dC = (torch.zeros if N == 0 else torch.empty)((V, D), dtype=f32 if f32_acc else c.dtype, device=dev)
+        dC = (torch.zeros if N == 0 else torch.empty)((V, D), dtype=c.dtype, device=dev)
+        if N > 0 and fused_dc16(chunks, c.dtype):
+            S = dc16_scale(e2d, dz_row_bound(e2d, c, bias, weight, a0, a1, beta, gamma, softcap, temperature))
     BV = config(e2d.dtype, "fwd").BLOCK_V
     n_vt = triton.cdiv(V, BV)
     # The pad classes [V, Vp): q and dZ are 0 there (written so that the forward's stores and
@@ -249,11 +249,9 @@ def linear_ce_fused(
                 th_scale=temperature / softcap if softcap > 0 else 0.0, HAS_SOFTCAP=softcap > 0,
                 BLOCK_V=BV, TILES=2 if interpreting() else DZ_TILES, num_warps=DZ_WARPS,
             )  # fmt: skip
-            _chunk_products(qbuf[:k, :V], e2d, c, rows, safe_t, lo, s, t, dE, de_buf, dC, dbias)
+            _chunk_products(qbuf[:k, :V], e2d, c, rows, safe_t, lo, s, t, dE, de_buf, dC, dbias, S, t == N)
     if dbias is not None and lo is not None:
         dbias.index_add_(0, safe_t, lo)
-    if f32_acc and dC is not None:
-        dC = dC.to(c.dtype)
 
     def cat(name: str, dtype: torch.dtype = f32) -> torch.Tensor:
         # a statistic of all rows from the chunks' (one chunk: as it is)
@@ -271,19 +269,24 @@ def linear_ce_fused(
 def _chunk_products(
     dz: torch.Tensor, e2d: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None, safe_t: torch.Tensor,
     lo: torch.Tensor | None, s: int, t: int, dE: torch.Tensor | None, de_buf: torch.Tensor | None,
-    dC: torch.Tensor | None, dbias: torch.Tensor | None,
+    dC: torch.Tensor | None, dbias: torch.Tensor | None, S: torch.Tensor | None, last: bool,
 ) -> None:  # fmt: skip
     """The products of the chunk of problem rows [s, t) from its dZ [t - s, V]: dbias += its
     column sums; dE's rows (in ``de_buf``'s fp32 rows, then finished into dE with the target
-    remainders ``lo``; de_buf None: in dE itself); dC written (first chunk) or accumulated."""
+    remainders ``lo``; de_buf None: in dE itself); dC written (first chunk) or accumulated (by
+    cuBLAS in its dtype, or with ``S`` in scaled fp16 until the ``last`` chunk)."""
     ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
     if dbias is not None:
         dbias += torch.sum(dz, 0, dtype=torch.float32)
     dE_c = None
     if dE is not None:
         dE_c = (dE[s:t] if de_buf is None else de_buf[: t - s]).zero_()
+    if S is not None:
+        dc_accumulate(dz, ec.contiguous(), dC, S, first=s == 0, last=last)
     for k0, k1 in aligned_parts(c.shape[0]):
-        slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dC, k0, None, accumulate_dc=s > 0)
+        dc = None if S is not None else dC
+        if dE_c is not None or dc is not None:
+            slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dc, k0, None, accumulate_dc=s > 0)
     if de_buf is not None:
         r = None if rows is None else rows[s:t]
         if lo is not None:
