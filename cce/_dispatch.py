@@ -343,6 +343,10 @@ def plan_triton(
     reasons = [why] if need else ["no gradient is asked for: the forward alone runs"]
     if need and algo == "fused":
         reasons.append("gradients formed in the forward by row chunks: three matmul passes")
+        if need_dc and fused_dc16(fused_chunks(tuning, N, V, dtype.itemsize), dtype):
+            reasons.append(
+                f"more than {FUSED_DIRECT_CHUNKS} chunks: dC sums them in its own storage in scaled fp16"
+            )
     elif need and algo == "exact":
         reasons.append(f"not the fused path ({misfit}): four matmul passes")
     chunks = fused_chunks(tuning, N, V, dtype.itemsize) if algo == "fused" else 0

@@ -139,6 +139,29 @@ def test_fused_path_odd_v_several_chunks(regime, D, chunks, monkeypatch):
     assert db.dtype == BF and rel_l2(db, db4) <= 1e-2
 
 
+def test_fused_dc16_options():
+    """The fused path in 12 chunks (dC summed in scaled fp16, whose scale's bound takes the z-loss,
+    smoothing and class-weight terms) with z-loss, label smoothing and class weights, a
+    temperature and a sum loss, against fp32 gradients (impl="torch" on fp32 copies) within the
+    exact path's 5e-3."""
+    import cce.ops.linear_ce.triton_impl as ti
+
+    calls = []
+    real = ti.linear_ce_fused
+    N, D, V = 3000, 1024, 32000
+    e, c, t = make_inputs(N, D, V, "zipf", dtype=BF, device="cuda", seed=14)
+    w = torch.rand(V, device="cuda") + 0.5
+    opts = dict(z_loss=1e-3, label_smoothing=0.1, weight=w, temperature=0.8, reduction="sum", filter_eps=None)
+    budget = 2 * V * 250  # 250 rows of bf16 q per chunk: 12 chunks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ti, "linear_ce_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+        loss, dE, dC, _ = _run(e, c, t, fn=tuned(fused_chunk_bytes=budget), **opts)
+    assert calls, "the fused path did not run"
+    rl, rE, rC, _ = _run(e.float(), c.float(), t, impl_torch=True, **opts)
+    assert abs(float(loss) - float(rl)) <= 1e-5 * abs(float(rl))
+    assert rel_l2(dE, rE) <= 5e-3 and rel_l2(dC, rC) <= 5e-3, (rel_l2(dE, rE), rel_l2(dC, rC))
+
+
 @pytest.mark.parametrize("dtype", [BF, FP16])
 def test_exact_row_blocks(dtype):
     """The exact backward over four row blocks (Tuning.dz_slab_bytes 1 MiB: 256-row blocks of
@@ -182,13 +205,24 @@ def test_compile_fullgraph():
     assert rel_l2(ge2, ge) < 1e-3 and rel_l2(gc2, gc) < 1e-3  # fp32 atomics order only
 
 
-# The four-pass exact backward in four row blocks of 128 rows (a 1 MiB budget at D = 1024).
-_GRAPH_VARIANTS = {**_VARIANTS, "exact-row-blocks": {"fused": False, "dz_slab_bytes": 1 << 20}}
+# The four-pass exact backward in four row blocks of 128 rows (a 1 MiB budget at D = 1024); the
+# fused path in ten chunks of 52 rows of 8192 bf16 classes (dC summed in scaled fp16).
+_GRAPH_VARIANTS = {
+    **_VARIANTS,
+    "exact-row-blocks": {"fused": False, "dz_slab_bytes": 1 << 20},
+    "fused-dc16": {"fused_chunk_bytes": 52 * 8192 * 2},
+}
 
 
 @pytest.mark.parametrize(
     "feps,variant",
-    [("auto", "sparse"), ("auto", "dense-slabs"), (None, "sparse"), (None, "exact-row-blocks")],
+    [
+        ("auto", "sparse"),
+        ("auto", "dense-slabs"),
+        (None, "sparse"),
+        (None, "exact-row-blocks"),
+        (None, "fused-dc16"),
+    ],
 )
 def test_cuda_graph_capture(feps, variant):
     """A fwd+bwd step captures in a CUDA graph (no host sync anywhere) and replays on new data."""

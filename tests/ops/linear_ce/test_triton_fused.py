@@ -31,6 +31,7 @@ from cce._dispatch import (
     fused_fits,
     fused_one_chunk,
     linear_backward,
+    plan_triton,
 )
 from tests.helpers import (
     compare_with_reference,
@@ -253,6 +254,16 @@ def test_fused_dispatch():
         assert fused_fits(Tb, "mean", dt, 1 << 16, 16000, 4096, True)
     assert not fused_dc16(FUSED_DIRECT_CHUNKS, bf16) and fused_dc16(FUSED_DIRECT_CHUNKS + 1, bf16)
     assert not fused_dc16(FUSED_DIRECT_CHUNKS + 1, f32)
+
+    # cce.explain names the scaled-fp16 sum where it runs (dC asked for, 16-bit, past the limit).
+    def says_fp16(N, dtype, need_dc=True):
+        plan = plan_triton(Tb, "mean", dtype, (N, 16000, 1024), (True, need_dc, False), 0.0, 0.0, 0.0, True)
+        assert plan.backward == "fused"
+        return any("scaled fp16" in r for r in plan.reasons)
+
+    limit = 32 * FUSED_DIRECT_CHUNKS  # rows of bf16 q in the limit's chunks
+    assert not says_fp16(limit, bf16) and says_fp16(limit + 1, bf16)
+    assert not says_fp16(limit + 1, bf16, need_dc=False) and not says_fp16(1 << 12, f32)
     # Balanced chunks: 33 rows at 16 per chunk are 3 chunks of 11; q in bf16 holds twice the rows.
     assert fused_chunk_rows(33, 16000, 1 << 20) == 11
     assert fused_chunk_rows(33, 16000, 1 << 20, 2) == 17 and fused_chunks(Tb, 33, 16000, 2) == 2
