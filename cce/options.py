@@ -126,11 +126,10 @@ class Tuning:
             (cce/ops/linear_ce/kernels/fused_grads.py). The backward then only scales them; a
             gradient through the returned lse costs one more exact pass.
         fused_chunk_bytes: bytes of the fused path's chunk of per-logit values in the operands'
-            dtype (rows in balanced chunks); it runs only where the logits come in at most 4
-            chunks (dC then accumulates in c's dtype, one rounding per chunk), or its fp32 dC
-            accumulator (V x D x 4 bytes) fits this budget too, or (16-bit operands) they come
-            in at most 8 chunks (dC's rounding error about 1.7x the four-pass backward's,
-            cce/_dispatch.py); not softcap with label smoothing.
+            dtype (rows in balanced chunks): its extra memory, flat in N. Any number of chunks:
+            up to 8 dC accumulates in c's dtype (one rounding per chunk), past that in its own
+            storage as scaled fp16 (cce/_dispatch.py, FUSED_DIRECT_CHUNKS). Smaller chunks take
+            less memory and more time (more chunks: dC is read and written once per chunk).
     """
 
     backward: Backward = "auto"

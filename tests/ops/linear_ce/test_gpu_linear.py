@@ -110,19 +110,23 @@ def test_bias_softcap_mid_size():
 
 
 @pytest.mark.parametrize("regime", ["zipf", "random"])
-@pytest.mark.parametrize("D, chunks", [(1024, 3), (256, 7), (1024, 9), (1024, 24)])
+@pytest.mark.parametrize("D, chunks", [(1024, 3), (256, 7), (1024, 9), (1024, 24), (1030, 9)])
 def test_fused_path_odd_v_several_chunks(regime, D, chunks, monkeypatch):
     """The fused exact path in bf16 (the interpreter cannot check it): an odd V (the products
     by aligned parts, padded rows), several row chunks (3, 7: dC accumulated in bf16 by cuBLAS, one
-    rounding per chunk; 9, 24 > FUSED_DIRECT_CHUNKS: in scaled fp16 in dC's storage), bias and
+    rounding per chunk; 9, 24 > FUSED_DIRECT_CHUNKS: in scaled fp16 in dC's storage, by the
+    tensor-descriptor kernel on Hopper, and by the pointer kernel at D = 1030, whose rows are not
+    16-byte aligned), bias and
     softcap, against the reference at the exact path's tolerance, and against the four-pass
     exact backward."""
+    import cce.ops.linear_ce.kernels.fused_grads as fg
     import cce.ops.linear_ce.triton_impl as ti
     from cce._dispatch import FUSED_DIRECT_CHUNKS, fused_chunks, fused_dc16
 
-    calls = []
-    real = ti.linear_ce_fused
+    calls, dc16 = [], []
+    real, real_dc = ti.linear_ce_fused, fg.dc_accumulate
     monkeypatch.setattr(ti, "linear_ce_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(fg, "dc_accumulate", lambda *a, **k: dc16.append(1) or real_dc(*a, **k))
     N, V = 3000, 50257
     e, c, t = make_inputs(N, D, V, regime, dtype=BF, device="cuda", seed=11)
     bias = (torch.randn(V, device="cuda") * 0.5).to(BF)
@@ -133,6 +137,7 @@ def test_fused_path_odd_v_several_chunks(regime, D, chunks, monkeypatch):
     fused = tuned(fused_chunk_bytes=budget)
     loss, dE, dC, db = _run(e, c, t, bias, fn=fused, softcap=15.0, filter_eps=None)
     assert calls, "the fused path did not run"
+    assert len(dc16) == (chunks if chunks > FUSED_DIRECT_CHUNKS else 0)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert rel_l2(dE, ref_dE) <= 5e-3 and rel_l2(dC, ref_dC) <= 5e-3
     _, _, _, db4 = _run(e, c, t, bias, fn=tuned(fused=False), softcap=15.0, filter_eps=None)

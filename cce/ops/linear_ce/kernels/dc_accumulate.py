@@ -16,9 +16,11 @@ Range. Every partial sum obeys |sum_c dZ_c^T E_c|_vd <= max|E| sum_i sum_v |dZ_i
 dZ_iv = (alpha_i p_iv - beta_i [v == t_i] - gamma_i w_v) softcap'(z_iv), softcap' <= 1:
 sum_v |dZ_iv| <= |alpha_i| + |beta_i| + |gamma_i| W (W = sum_v |w_v|, V without class weights). So
 with B = max|E| sum_i (|alpha_i| + |beta_i| + |gamma_i| W), S = 2^(14 - ceil(log2 B)) keeps every
-stored value within 2^14 (fp16's largest is 65504): nothing overflows. Values below 2^-14 of the
-scale, i.e. entries under B 2^-28, are fp16 subnormals and keep fewer bits (absolute error at
-most B 2^-39): far below the rounding of the entries that carry the norm of dC.
+stored value within 2^14 (fp16's largest is 65504): nothing overflows. Since S B >= 2^13,
+stored values below 2^-14, i.e. entries under B 2^-27, are fp16 subnormals and keep fewer bits
+(absolute error at most B 2^-38 per chunk): far below the rounding of the entries that carry the
+norm of dC, but relative to the bound, not to each entry, so the smallest rows of dC (rare
+classes) keep fewer of fp16's bits than the largest.
 """
 
 from __future__ import annotations
@@ -137,14 +139,16 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
 def dc16_scale(e2d: torch.Tensor, coef_bound: torch.Tensor) -> torch.Tensor:
     """fp32 [1]: the power of two S of the module docstring, from the hidden states (every row of
     e2d: a bound for any subset) and ``coef_bound`` (fp32 [N]: |alpha_i| + |beta_i| + |gamma_i| W
-    per row, 0 at ignored rows). Device ops only; S = 1 where the bound is 0 (no valid row, or E
-    all zero), and the bound's non-finite values pass on as they are (a NaN S: NaN gradients)."""
+    per row, 0 at ignored rows). Device ops only. S = 1 where the bound is 0 (no valid row, or E
+    all zero), at most 2^126 (fp32's range) for a tiny bound, NaN where the bound is not finite
+    (non-finite inputs: dC comes out NaN, not silently wrong)."""
     bound = (_amax(e2d) * coef_bound.float().sum()).reshape(1)
     # 2^(top - ceil(log2 B)) = 2^top / 2^ceil(log2 B); frexp gives B = m 2^x with m in [0.5, 1),
     # so 2^ceil(log2 B) <= 2^x (equal unless B is a power of two, where it is half of it).
     _, x = torch.frexp(bound)
-    s = torch.ldexp(torch.ones_like(bound), DC16_LOG2_TOP - x)
-    return torch.where(bound > 0, s, torch.ones_like(s))
+    s = torch.ldexp(torch.ones_like(bound), torch.clamp(DC16_LOG2_TOP - x, max=126))
+    s = torch.where(bound > 0, s, torch.ones_like(s))
+    return torch.where(torch.isfinite(bound), s, torch.full_like(s, float("nan")))
 
 
 def dz_row_bound(
@@ -152,8 +156,10 @@ def dz_row_bound(
 ) -> torch.Tensor:
     """fp32 [N]: per row a bound of sum_v |dZ_iv| (the module docstring's range): |alpha_i| + |beta_i|
     + |gamma_i| W, W = sum_v |w_v| (V without class weights); with z-loss alpha_i = a0_i + a1_i
-    lse_i and |lse_i| <= max_v |z_iv| + log V, where |z_iv| <= (D max|E| max|C| + max|b|) before
-    the softcap (at most the softcap after it), over the temperature. Device ops, no host read."""
+    lse_i and |lse_i| <= max_v |z_iv| + log V over the classes of finite logit, where |z_iv| <=
+    D max|E| max|C| + max|b| before the softcap (at most the softcap after it), over the
+    temperature; max|b| over the finite biases (a class masked by a bias of -inf has p = 0 and
+    leaves lse as it is). Device ops, no host read."""
     f32 = torch.float32
     bound = a0.abs() + beta.abs()
     if gamma is not None:
@@ -162,7 +168,7 @@ def dz_row_bound(
     if a1 is not None:
         z = _amax(e2d) * _amax(c) * c.shape[1]
         if bias is not None:
-            z = z + _amax(bias)
+            z = z + _amax(torch.where(torch.isfinite(bias), bias, 0))
         if softcap > 0:
             z = torch.clamp(z, max=softcap)
         bound = bound + a1.abs() * (z / temperature + math.log(max(c.shape[0], 1)))
