@@ -683,13 +683,16 @@ def test_triton_fp16_entropy_gradient_scale():
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_linear_minus_inf_bias_masks_classes(impl, fused, temperature):
+@pytest.mark.parametrize("mask", ["scattered", "whole-tiles"])
+def test_linear_minus_inf_bias_masks_classes(impl, fused, temperature, mask):
     """A bias of -inf masks classes (a padded vocabulary): the entropy counts 0 log 0 = 0 there
     and the gradient of loss - entropy is finite, equal to the fp64 oracle's, 0 at the masked
     classes; on the fused path (the entropy in its forward) and on the forward kernel with the
-    exact backward (its dZ kernel's eta term). V is a multiple of every tile width, so no column
-    mask hides the masked classes. Inputs exact in fp32 (the oracle reads the same values in fp64):
-    fp32 kernels err on a logit by at most D u max_i ||e_i|| max_v ||c_v|| < 2e-5 here (u = 2^-24),
+    exact backward (its dZ kernel's eta term). Every 7th class, or whole vocabulary tiles: the
+    first two and the last ones (the interpreter's 32-class tiles), so that a tile walk starts
+    on tiles with no finite logit (its running max -inf). V is a multiple of every tile width,
+    so no column mask hides the masked classes. Inputs exact in fp32 (the oracle reads the same
+    values in fp64): fp32 kernels err on a logit by at most D u max_i ||e_i|| max_v ||c_v|| < 2e-5 here (u = 2^-24),
     the outputs by twice that times 1 + |z| at most (atol, rtol 1e-5; the torch impl runs fp64),
     and the gradients, sums of such dZ against ||c|| or ||e|| ~ 4, within rtol 1e-4, atol 1e-5."""
     if impl == "triton":
@@ -699,9 +702,12 @@ def test_linear_minus_inf_bias_masks_classes(impl, fused, temperature):
     e = torch.randn(N, D, generator=gen).double()
     c = (torch.randn(V, D, generator=gen) / 2).double()
     b = torch.randn(V, generator=gen).double()
-    b[3::7] = float("-inf")
-    t = torch.randint(0, V, (N,), generator=gen)
-    t = torch.where(b[t] == float("-inf"), t + 1, t)  # no target masked (its loss would be inf)
+    if mask == "scattered":
+        b[3::7] = float("-inf")
+    else:
+        b[:64] = b[-96:] = float("-inf")
+    allowed = (b > float("-inf")).nonzero().squeeze(1)
+    t = allowed[torch.randint(0, allowed.numel(), (N,), generator=gen)]  # no target masked (loss inf)
     t[5] = -100
     kw = dict(return_entropy=True, return_logprobs=True, return_argmax=True, temperature=temperature)
     fn = tuned(fused=fused)

@@ -104,11 +104,14 @@ def _fwd_tile(
         L = tl.where(offs_p[None, :] == tpos[:, None], float("-inf"), L)
         has_t = (tpos >= lo) & (tpos < lo + BLOCK_V)
     mx = tl.max(L, axis=1)
-    # m is finite after the first tile (every launch's split starts with a column < V) or from
-    # the start (HAS_INIT), hence exp(m - m_new) never sees -inf - -inf.
     m_new = tl.maximum(m, mx)
     if STATS:
         m_new = tl.where(has_t, tl.maximum(m_new, zt), m_new)
+    # m_new stays -inf while every tile so far is masked whole (classes a -inf bias masks, such
+    # as a padded vocabulary's): the exponents then take 0 as their reference (e^(-inf - 0) = 0)
+    # instead of -inf - -inf = NaN. m_new itself stays -inf, so the next finite tile's rescale
+    # e^(m - m_new) is 0 as it is after an empty start.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     if ARGMAX:
         # the smallest id of the tile's max, then against the running max by value and id
         # (int32 ids: a tile-wide int64 select and min cost a few percent of the forward)
@@ -119,10 +122,10 @@ def _fwd_tile(
         ti = tl.min(tl.where(L == mx[:, None], ids[None, :], 2147483647), axis=1)
         amax = tl.where(mx > av, ti, tl.where(mx == av, tl.minimum(amax, ti), amax))
         av = tl.maximum(av, mx)
-    dl = L - m_new[:, None]  # [BLOCK_N, BLOCK_V], -inf at masked (and target) columns
+    dl = L - m_ref[:, None]  # [BLOCK_N, BLOCK_V], -inf at masked (and target) columns
     pe = jm.exp(dl)  # 0 at masked (and target) columns
     snt = tl.sum(pe, axis=1)
-    scale = jm.exp(m - m_new)
+    scale = jm.exp(m - m_ref)
     if ENTROPY:
         pdl = pe * dl
         if STATS or not EVEN_V or HAS_BIAS:
