@@ -24,6 +24,7 @@ from tests.helpers import examples, rel_err
 
 pytest.importorskip("triton")
 
+from cce._dispatch import FUSED_DIRECT_CHUNKS  # noqa: E402
 from cce.ops.linear_ce.kernels.dc_accumulate import (  # noqa: E402
     DC16_LOG2_TOP,
     dc16_scale,
@@ -187,3 +188,55 @@ def test_fused_launcher_past_direct_chunks(grads, monkeypatch):
         assert (x is None) == (y is None), name
         if x is not None:
             assert torch.isfinite(x).all() and rel_err(x.float(), y) <= 4e-3, name
+
+
+@settings(SETTINGS, max_examples=examples(25, 5))
+@given(
+    N=st.integers(9, 48),
+    V=st.integers(1, 70),
+    D=st.integers(1, 40),
+    chunks=st.integers(9, 14),
+    gather=st.booleans(),
+    opts=st.sampled_from(["plain", "smooth", "softcap", "masked"]),
+    seed=st.integers(0, 2**16),
+)
+def test_fused_launcher_past_direct_chunks_property(N, V, D, chunks, gather, opts, seed):
+    """Random shapes (V and D off the interpreter's tiles, a single class), more than
+    FUSED_DIRECT_CHUNKS chunks, with or without a row gather, and option sets (label smoothing
+    with class weights and z-loss; a softcap with a temperature; classes masked by a bias of
+    -inf with z-loss): fp16 operands against the fp32 launcher in one chunk, within the fp16
+    budget of test_fused_launcher_past_direct_chunks."""
+    from cce.ops.linear_ce.kernels.fused_grads import linear_ce_fused
+
+    g = torch.Generator().manual_seed(seed)
+    M = N + 5 if gather else N
+    e, c = torch.randn(M, D, generator=g).half(), torch.randn(V, D, generator=g).half()
+    b = (torch.randn(V, generator=g) * 0.5).half()
+    rows = torch.randperm(M, generator=g)[:N] if gather else None
+    t = torch.randint(0, V, (N,), generator=g)
+    a0, beta = torch.rand(N, generator=g) / N, torch.rand(N, generator=g) / N
+    a0[0] = beta[0] = 0  # an ignored row
+    w = gamma = a1 = None
+    softcap, temperature = 0.0, 1.0
+    if opts == "smooth":
+        w, gamma, a1 = (
+            torch.rand(V, generator=g) + 0.5,
+            torch.full((N,), 0.01 / N),
+            torch.full((N,), 0.02 / N),
+        )
+    elif opts == "softcap":
+        softcap, temperature = 3.0, 0.7
+    elif opts == "masked" and V > 1:
+        b[: V // 2] = float("-inf")
+        t = torch.randint(V // 2, V, (N,), generator=g)
+        a1 = torch.full((N,), 0.02 / N)
+    Vp = -(-V // 16) * 16
+    budget = 2 * Vp * max(1, N // chunks)  # fp16 q rows per chunk: at least nine chunks
+    assert -(-N // max(1, N // chunks)) > FUSED_DIRECT_CHUNKS
+    args = (rows, t, a0, a1, beta, gamma, softcap, True, True, True)
+    out = linear_ce_fused(e, c, b, w, *args, budget, temperature=temperature)
+    ref = linear_ce_fused(e.float(), c.float(), b.float(), w, *args, 1 << 30, temperature=temperature)
+    for name in ("lse", "dE", "dC", "dbias"):
+        x, y = getattr(out, name), getattr(ref, name)
+        assert torch.isfinite(x).all(), name
+        assert rel_err(x.float(), y) <= 4e-3, (name, rel_err(x.float(), y))
