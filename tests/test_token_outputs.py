@@ -692,9 +692,10 @@ def test_linear_minus_inf_bias_masks_classes(impl, fused, temperature, mask):
     first two and the last ones (the interpreter's 32-class tiles), so that a tile walk starts
     on tiles with no finite logit (its running max -inf). V is a multiple of every tile width,
     so no column mask hides the masked classes. Inputs exact in fp32 (the oracle reads the same
-    values in fp64): fp32 kernels err on a logit by at most D u max_i ||e_i|| max_v ||c_v|| < 2e-5 here (u = 2^-24),
-    the outputs by twice that times 1 + |z| at most (atol, rtol 1e-5; the torch impl runs fp64),
-    and the gradients, sums of such dZ against ||c|| or ||e|| ~ 4, within rtol 1e-4, atol 1e-5."""
+    values in fp64): fp32 kernels err on a logit by at most D u max_i ||e_i|| max_v ||c_v|| < 2e-5
+    here (u = 2^-24), the outputs by twice that times 1 + |z| at most (atol, rtol 1e-5; the torch
+    impl runs fp64), and the gradients, sums of such dZ against ||c|| or ||e|| ~ 4, within rtol
+    1e-4, atol 1e-5."""
     if impl == "triton":
         pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(5)
