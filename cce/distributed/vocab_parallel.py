@@ -122,6 +122,14 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     # below, so its gradient is 0), -1 at ignored rows. The stand-in is a class of finite logit
     # (the block's largest bias: a class a -inf bias masks would give the kernels' target terms
     # 0 * -inf), found on the device.
+    # A block whose classes a -inf bias masks whole (a padded vocabulary's last rank; decided on
+    # the device) has no finite logit, and its one-device statistics would be NaN (a softmax of
+    # -inf only): it runs on a bias of 0 instead, and then counts with lse_r = -inf, so that it
+    # adds no mass, and its gradients are 0. (With a softcap a -inf bias is the finite -softcap.)
+    dead = None
+    if bias is not None and not opts.softcap_value:
+        dead = torch.isneginf(bias.detach()).all()
+        bias = torch.where(dead, torch.zeros_like(bias), bias)
     stand_in = torch.zeros((), dtype=tgt.dtype, device=tgt.device) if bias is None else bias.detach().argmax()
     local_t = torch.where(valid, torch.where(inblk, tgt - start, stand_in), -1)
     smoothing = opts.label_smoothing > 0
@@ -142,6 +150,10 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
         needs_grad(bias), opts.resolved_tuning, temperature, want_ent, want_amax,
     )  # fmt: skip
     tgt_r = torch.where(inblk, tgt_r, 0.0)  # the stand-in target of rows on other ranks
+    if dead is not None:
+        lse_r = torch.where(dead, float("-inf"), lse_r)  # no mass (w_r = 0: no gradient either)
+        if smoothing:  # the masked logits' sum, as on one device
+            ssum_r = torch.where(dead, float("-inf"), ssum_r)
 
     # One all-gather of everything the loss needs: lse, tgt[, ssum][, H][, max, argmax][, w_t, W].
     parts = [lse_r, tgt_r]
@@ -152,6 +164,8 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     if want_amax:
         top = logits_at(e2d.detach(), rows, c.detach(), None if bias is None else bias.detach(),
                         amax_r, softcap, temperature, opts.resolved_tuning.chunk_bytes)  # fmt: skip
+        if dead is not None:
+            top = torch.where(dead, float("-inf"), top)  # never the largest logit
         parts += [top, (amax_r + start).float()]
     if weight is not None:
         wl = weight.to(lse_r.dtype)
@@ -175,7 +189,9 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     entropy = argmax = None
     if want_ent:
         w = torch.exp(lse_all - lse)
-        entropy = torch.where(valid, (w * (take(N) + lse - lse_all)).sum(0), 0.0)
+        # (a block of no mass, w = 0 with lse_r = -inf, adds 0: not 0 * inf, nor in the gradient)
+        d = torch.where(w > 0, take(N) + lse - lse_all, 0.0)
+        entropy = torch.where(valid, (w * d).sum(0), 0.0)
     if want_amax:
         top_all, ids = take(N), take(N)
         argmax = ids.gather(0, top_all.argmax(0, keepdim=True)).squeeze(0).long()

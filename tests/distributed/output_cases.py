@@ -44,6 +44,12 @@ OUTPUT_CASES: dict[str, dict] = {
     "out_entropy_logged": dict(opts=dict(return_entropy=True, return_accuracy=True), logged=True),
     "out_masked_classes": dict(bias=True, masked=True, opts=dict(**ALL, temperature=0.8)),
     "out_filter_auto": dict(bias=True, opts=dict(**ALL, filter_eps="auto", temperature=0.9)),
+    # The last rank's block masked whole by a -inf bias (a padded vocabulary): its lse is -inf, so
+    # it adds no mass to the loss, the entropy or the gradients (the kernels report such a row's
+    # lse as 0, and exp(-inf - -inf) is NaN).
+    "out_masked_last_block": dict(
+        bias=True, mask_last=True, split="skewed", opts=dict(**ALL, temperature=0.8)
+    ),
     # Equal classifier rows in every block: the largest logit is tied across ranks, and the
     # smallest id (the first block's) must win, as torch.argmax. (The entropy is only logged:
     # with one dominant class split over equal copies its gradient is ~0, a difference of
@@ -83,6 +89,9 @@ TRITON_OUTPUT_CASES: dict[str, dict] = {
         masked=True,
         opts=dict(return_entropy=True, return_logprobs=True, filter_eps=1e-3),
     ),  # fmt: skip
+    "out_triton_masked_last_block": dict(
+        bias=True, mask_last=True, impl="triton", opts=dict(**ALL, temperature=0.8, filter_eps=None)
+    ),
     "out_triton_sparse_entropy_grad": dict(
         impl="triton",
         tuning=dict(backward="sparse"),
@@ -121,6 +130,11 @@ def _inputs(name: str, spec: dict, world: int, lead=(3, 11)):
         b[[sum(sizes[:r]) for r in range(world)]] = float("-inf")
         b[7::11] = float("-inf")
         t = torch.where((t >= 0) & (b[t.clamp(min=0)] == float("-inf")), t + 1, t)
+    if spec.get("mask_last"):
+        # the last block's classes all masked; targets there moved to the first block
+        start = sum(split_sizes(world, spec.get("split", "even"))[:-1])
+        b[start:] = float("-inf")
+        t = torch.where(t >= start, t % start, t)
     if spec.get("ties"):
         # Exact arithmetic (multiples of 1/4 with |z| <= 10, sums exact in fp32), so that equal
         # rows give equal logits on every side; one class per block with the same row of c and
@@ -265,6 +279,11 @@ def run_output_case(name: str, rank: int, world: int, group, tuned) -> None:
             clear = clear[..., :-1]
         assert clear.float().mean() > 0.9, f"{name}: too many near ties to compare the argmax"
     _compare(name, got, ref, block, clear)
+    if spec.get("mask_last"):
+        # the last block's classes all masked; targets there moved to the first block
+        start = sum(split_sizes(world, spec.get("split", "even"))[:-1])
+        b[start:] = float("-inf")
+        t = torch.where(t >= start, t % start, t)
     if spec.get("ties"):
         valid = t.reshape(-1) != -100
         first = _tie_positions(world, spec)[0]  # the copy in the first block
