@@ -341,6 +341,36 @@ def test_triton_logits_masked_blocks(splits, monkeypatch):
     torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("V", [8, 45])
+def test_logits_minus_inf_under_softcap(impl, V, monkeypatch):
+    """Under a softcap a logit of -inf is the class of logit softcap(-inf) = -softcap, as
+    F.cross_entropy of the capped logits has it (it does not mask the class; only columns past the
+    row's end are masked): the loss with label smoothing, the entropy and the gradient of loss +
+    entropy as the fp64 oracle's, with the row's tail in a partial block (V = 45, 16-class
+    blocks). Inputs fp32, the oracle fp64 on the same values: 1e-5."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+        _small_blocks(monkeypatch, 1)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(3, V, generator=gen)
+    x[:, 5] = float("-inf")
+    t = torch.tensor([1, 2, 7])
+    kw = dict(softcap=0.5, label_smoothing=0.1, reduction="none")
+    xg = x.clone().requires_grad_()
+    got = cce.cross_entropy(xg, t, impl=impl, return_entropy=True, **kw)
+    (g,) = torch.autograd.grad(got.loss.sum() + got.entropy.sum(), (xg,))
+    xr = x.double().requires_grad_()
+    capped = 0.5 * torch.tanh(xr / 0.5)
+    logp = capped.log_softmax(1)
+    loss = torch.nn.functional.cross_entropy(capped, t, label_smoothing=0.1, reduction="none")
+    ent = -(logp.exp() * logp).sum(1)
+    (gr,) = torch.autograd.grad(loss.sum() + ent.sum(), (xr,))
+    torch.testing.assert_close(got.loss.double(), loss.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.entropy.double(), ent.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.double(), gr, rtol=1e-5, atol=1e-6)
+
+
 def _check_logits_level(problem, inplace, impl):
     lead, _, V, opts, _, ignore, seed = problem
     gen = torch.Generator().manual_seed(seed)

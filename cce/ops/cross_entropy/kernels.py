@@ -45,11 +45,12 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _fwd_block(
-    x, cols, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
+    x, cols, live, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_TEMP: tl.constexpr,
-    ENTROPY: tl.constexpr, ARGMAX: tl.constexpr,
+    ENTROPY: tl.constexpr, ARGMAX: tl.constexpr, TAIL: tl.constexpr,
 ):  # fmt: skip
-    """One block of the online softmax; x already holds -inf at masked-off classes.
+    """One block of the online softmax; x already holds -inf at masked-off classes (TAIL: the
+    columns where ``live`` is false, past the row's end).
 
     m is the running max of L * log2(e); s = sum 2^(L log2 e - m). Masked entries contribute
     exp2(-inf) = 0 to s and (via w = 0) nothing to ssum. L = softcap(x) [* inv_temp].
@@ -59,8 +60,11 @@ def _fwd_block(
     running max of L, and amax the smallest class reaching it.
     """
     L, _ = _capped(x, softcap, HAS_SOFTCAP)
-    if HAS_SOFTCAP:
-        L = tl.where(x == float("-inf"), float("-inf"), L)  # softcap maps -inf to -softcap
+    if HAS_SOFTCAP and TAIL:
+        # columns past the row's end are loaded as -inf, which the softcap would map to the live
+        # -softcap: masked by position (a logit of -inf inside the row is softcap(-inf) = -softcap,
+        # as F.cross_entropy of the capped logits has it)
+        L = tl.where(live, L, float("-inf"))
     if HAS_TEMP:
         L = L * inv_temp
     if ARGMAX:
@@ -154,8 +158,8 @@ def _ce_fwd_kernel(
         if HAS_WEIGHT:
             w = tl.load(W + cols).to(tl.float32)
         m, s, ssum, hs, av, amax = _fwd_block(
-            x, cols, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
-            HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, ENTROPY, ARGMAX,
+            x, cols, None, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, ENTROPY, ARGMAX, False,
         )  # fmt: skip
     # Tail block (partial or empty); all masked for ignored rows. (The mask is one comparison:
     # the interpreter rejects a block mask combined with a scalar condition.)
@@ -166,8 +170,8 @@ def _ce_fwd_kernel(
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     m, s, ssum, hs, av, amax = _fwd_block(
-        x, cols, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
-        HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, ENTROPY, ARGMAX,
+        x, cols, mask, w, m, s, ssum, hs, av, amax, softcap, inv_temp,
+        HAS_SOFTCAP, HAS_SMOOTHING, HAS_TEMP, ENTROPY, ARGMAX, True,
     )  # fmt: skip
 
     lse = (m + tl.log2(s)) * LN2
