@@ -479,3 +479,16 @@ def test_module_reprs_show_every_option_set():
     for name in ("shift=True", "temperature=2.0", "return_entropy=True", "inplace_backward=True"):
         assert name in ce, (name, ce)
     assert "filter_eps" not in ce  # (unused at the logits level)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_no_tokens_with_strided_hidden_states(impl):
+    """N = 0 with hidden states of stride 2 along D (an empty tensor counts as contiguous
+    whatever its strides): a loss of 0 and empty gradients, as with contiguous ones."""
+    if impl == "triton":
+        pytest.importorskip("triton")
+    e = torch.randn(0, 32)[:, ::2].requires_grad_()
+    c = torch.randn(33, 16, requires_grad=True)
+    loss = cce.linear_cross_entropy(e, c, torch.zeros(0, dtype=torch.long), impl=impl)
+    loss.backward()
+    assert float(loss) == 0.0 and (c.grad == 0).all()

@@ -32,14 +32,18 @@ def flatten_rows(e: torch.Tensor, targets: torch.Tensor, shift: bool):
 
 
 def kernel_operands(e2d, c, bias, weight):
-    """float64 has no tensor-core dot: run it in float32 (the kernels accumulate in fp32 anyway)."""
+    """float64 has no tensor-core dot: run it in float32 (the kernels accumulate in fp32 anyway).
+    Rows of unit stride along D for the kernels (an empty tensor counts as contiguous whatever its
+    strides, so it is made anew)."""
     if e2d.dtype == torch.float64:
         e2d, c = e2d.float(), c.float()
-    if e2d.stride(-1) != 1:
-        e2d = e2d.contiguous()
-    if c.stride(-1) != 1:
-        c = c.contiguous()
-    return e2d, c, bias, weight
+    return _unit_stride(e2d), _unit_stride(c), bias, weight
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) == 1:
+        return x
+    return x.contiguous() if x.numel() else x.new_empty(x.shape)
 
 
 class RowOrder:
