@@ -108,7 +108,8 @@ class Tuning:
             under CUDA-graph capture every gated launch is issued.
         dense_slab_bytes: bytes of the dZ slab of the dense slabs (with the gated launches per
             slab, larger slabs cost fewer host launches and fill the GPU better:
-            docs/benchmarks.md).
+            docs/benchmarks.md), and of one row block's fp32 dE rows and gathered rows of E
+            (the slabs run by row blocks: their memory flat in N).
         sparse_min_flops: with ``backward="auto"``, problems whose logits matmul (2 N V D) is
             smaller than this take the exact backward even when filtered: below it the exact
             path is the faster one and has no filter error. None: SPARSE_MIN_FLOPS_CUDA on CUDA

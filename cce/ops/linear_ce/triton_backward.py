@@ -24,6 +24,7 @@ from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.common import compact_lists, inverse_permutation, stats_blocks, tile_sizes
 from .kernels.first_order import FirstOrder, gram, normalized
+from .kernels.sparse_plan import PendingFirstOrder, SparsePlan, kept_scratch_tiles
 from .kernels.stash import stash_code
 from .kernels.tile_stats import decode_tile_mass, skipped_slogs, tile_means
 from .rows import RowOrder, weighted_rows
@@ -212,7 +213,7 @@ def sparse_backward(
         softcap, need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
         move_bytes=move_bytes, dense=rule.dense, tiles_per_slab=sp.tiles_per_slab, eta=st.eta_s,
         dz_bound=dz_bound, cm=cm_fwd if rule.cm is None else rule.cm, decided=rule.decided,
-        temperature=temperature,
+        temperature=temperature, block_bytes=dense_slab_bytes,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan
@@ -407,7 +408,7 @@ def _sparse_plan(
     e2d: torch.Tensor, c: torch.Tensor, weight: torch.Tensor | None, vperm: torch.Tensor, st: _SparseStep,
     code: torch.Tensor, keep: torch.Tensor, coef: torch.Tensor, q: torch.Tensor | None,
     slog: torch.Tensor | None, rule: _SlabRule, need_de: bool, need_dc: bool, dc_scratch_tiles: int | None,
-) -> tuple[KS.SparsePlan, torch.Tensor | None]:  # fmt: skip
+) -> tuple[SparsePlan, torch.Tensor | None]:  # fmt: skip
     """(plan, gamma_s): the step's SparsePlan (the dE writer's tile lists and smoothing term,
     _dc_inputs' dC writer inputs, the kept tiles' scratch slots, the first-order terms) and
     the sorted rows' smoothing coefficients (None without smoothing)."""
@@ -436,7 +437,7 @@ def _sparse_plan(
     del srow
     # dC's inputs (list_c to seg): owned by the plan alone once it is returned, released after dC.
     list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge = dc_in
-    plan = KS.SparsePlan(
+    plan = SparsePlan(
         keep.to(torch.int8), list_e, cnt_e, list_c, cnt_c, code, coef, G, q, trow, tpos, tcoef, seg, wc,
         ge, gidx.view(keep.shape), klist, n_kept, fo, fo_pending, slog,
     )  # fmt: skip
@@ -452,7 +453,7 @@ def _kept_scratch(
     dev = keep.device
     # Kept tiles numbered in (block, tile) order; the first `cap` get a dZ scratch slot of the dC
     # writer (in the stash, when there is one; fewer if it has no room for them).
-    cap = KS.kept_scratch_tiles(N, dtype, dc_scratch_tiles) if need_dc else 0
+    cap = kept_scratch_tiles(N, dtype, dc_scratch_tiles) if need_dc else 0
     kflat = keep.reshape(-1)
     gidx = (kflat.cumsum(0) - 1).to(torch.int32)
     slot = torch.where(kflat & (gidx < cap), gidx.long(), cap)
@@ -467,21 +468,21 @@ def _kept_scratch(
 def _first_order_plan(
     e2d: torch.Tensor, c: torch.Tensor, vperm: torch.Tensor, st: _SparseStep, rule: _SlabRule,
     srow: torch.Tensor | None, need_dc: bool,
-) -> tuple[FirstOrder | None, KS.PendingFirstOrder | None]:  # fmt: skip
+) -> tuple[FirstOrder | None, PendingFirstOrder | None]:  # fmt: skip
     """(fo, fo_pending): the first-order terms (_first_order) where their flag has reached the host
-    set, their builder where it has not arrived (KS.PendingFirstOrder), else (None, None), as
+    set, their builder where it has not arrived (PendingFirstOrder), else (None, None), as
     where the rule has not made them a candidate (``rule.cm`` None). ``srow``: _dc_inputs'."""
     if rule.cm is None:
         return None, None
     # (Called after the plan's other host work, so that the device's flag has had time to reach
     # the host: where it says 0 the terms' operands and gated launches are left out, as the flag
     # would make them no-ops. Where it has not arrived, the operands are built after the dC
-    # writer's launch, where it has had longer: KS.PendingFirstOrder.)
+    # writer's launch, where it has had longer: PendingFirstOrder.)
     seen = rule.decided.get()
     dc_args = (e2d, st.r.erow_s, srow, rule.masses, rule.live, st.vpos) if need_dc else None
     if seen is None:
         build = functools.partial(_first_order, c, rule.cm, vperm, rule.flag, st.BV, dc_args, st.lam)
-        return None, KS.PendingFirstOrder(rule.flag, build)
+        return None, PendingFirstOrder(rule.flag, build)
     if int(seen[1][0]) != 0:
         return _first_order(c, rule.cm, vperm, rule.flag, st.BV, dc_args, st.lam), None
     return None, None

@@ -277,6 +277,57 @@ def test_all_dense_is_exact(dtype, opts, bias, weight):
     assert e1.dtype == dtype and c1.dtype == dtype
 
 
+@pytest.mark.parametrize(
+    "dtype,need,opts",
+    [
+        (torch.float32, "both", {}),
+        (torch.float16, "both", {"label_smoothing": 0.05}),
+        (torch.float16, "dc", {"softcap": 3.0}),
+        (torch.float32, "de", {"z_loss": 1e-3}),
+        (torch.float16, "both", {"return_entropy": True}),
+    ],
+)
+def test_all_dense_by_row_blocks(dtype, need, opts, monkeypatch):
+    """Every slab dense, the rows in six blocks of 16 (Tuning.dense_slab_bytes bounds a block's
+    fp32 dE rows: 16 rows of D = 33), 40% of them ignored, so that the last blocks have a few
+    valid rows or none: the gradients of the exact path, as in one block (fp32: 1e-5; fp16: 2e-3,
+    dZ's rounding; dC's sum over the blocks in fp16 times S, 2^-11 per block). dC alone has no
+    per-row buffer without tensor descriptors (one block), dE alone no dC sum; with the
+    entropy's gradient the scale's bound has its eta |z| term."""
+    import cce.ops.linear_ce.kernels.backward_sparse as KS
+
+    blocks = []
+    run = KS.DenseSlabRun
+
+    def spy(*a, **k):
+        r = run(*a, **k)
+        blocks.append(r.n_blocks)
+        return r
+
+    monkeypatch.setattr(KS, "DenseSlabRun", spy)
+    N, D, V = 96, 33, 200
+    e, c, t = zipf_inputs(N, D, V, dtype=torch.float32, seed=6)
+    t[torch.rand(N, generator=torch.Generator().manual_seed(1)) < 0.4] = -100
+    e, c = e.to(dtype), c.to(dtype)
+    entropy = opts.pop("return_entropy", False)
+    tu = Tuning(backward="sparse", dense_slabs=True, dense_kept=0.0, dense_slab_bytes=16 * 4 * D)
+    ee, cc = e.clone().requires_grad_(need != "dc"), c.clone().requires_grad_(need != "de")
+    o = CCEOptions(impl="triton", filter_eps=2e-3, tuning=tu, return_entropy=entropy, **opts)
+    out = linear_cross_entropy_with_options(ee, cc, t, None, None, o)
+    up = float(torch.rand((), generator=torch.Generator().manual_seed(2))) + 0.5
+    loss = lambda o: o.loss * up - 0.3 * o.entropy.mean() if entropy else o * up  # noqa: E731
+    loss(out).backward()
+    assert blocks == [1 if need == "dc" else 6]  # (dC alone holds no per-row buffer off Hopper)
+    e64, c64 = e.double().requires_grad_(), c.double().requires_grad_()
+    ref = linear_cross_entropy_reference(e64, c64, t, dtype=torch.float64, return_entropy=entropy, **opts)
+    loss(ref).backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    if need != "dc":
+        assert rel_err(ee.grad, e64.grad) < tol
+    if need != "de":
+        assert rel_err(cc.grad, c64.grad) < tol
+
+
 def test_mixed_slabs_exact_where_dense():
     """Zipf data, small slabs, the kept-share rule only: the head slabs are dense and the tail
     sparse (both occur); the dC rows of the dense slabs' classes are exact, and the whole error is

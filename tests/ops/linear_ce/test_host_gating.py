@@ -31,10 +31,10 @@ def _run(e, c, t, tuning, eps: float, need: str = "both", bias=None, entropy: fl
 
 @pytest.fixture
 def slab_calls(monkeypatch):
-    """The ``slabs`` argument of every run_dense_slabs call (None: all of them, gated), with the
+    """The ``slabs`` argument of every DenseSlabRun made (None: all of them, gated), with the
     device's dense flags it was given, and the calls of add_dc_first_order / first_order_terms."""
     seen = {"calls": [], "dc_fo": 0, "fo_terms": 0}
-    run, add, terms = KS.run_dense_slabs, KS.add_dc_first_order, TB.first_order_terms
+    run, add, terms = KS.DenseSlabRun, KS.add_dc_first_order, TB.first_order_terms
 
     def spy_run(*a, **k):
         seen["calls"].append((k.get("slabs"), a[9].clone()))  # (slabs, the device's dense flags)
@@ -48,7 +48,7 @@ def slab_calls(monkeypatch):
         seen["fo_terms"] += 1
         return terms(*a, **k)
 
-    monkeypatch.setattr(KS, "run_dense_slabs", spy_run)
+    monkeypatch.setattr(KS, "DenseSlabRun", spy_run)
     monkeypatch.setattr(KS, "add_dc_first_order", spy_add)
     monkeypatch.setattr(TB, "first_order_terms", spy_terms)
     return seen

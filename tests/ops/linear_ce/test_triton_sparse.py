@@ -32,11 +32,11 @@ from tests.helpers import rel_err, skipped_mean_logit64
 
 triton = pytest.importorskip("triton")
 
-from cce.ops.linear_ce.kernels import backward_sparse as KS  # noqa: E402
 from cce.ops.linear_ce.kernels import stash as KST  # noqa: E402
 from cce.ops.linear_ce.kernels import tile_stats as KT  # noqa: E402
 from cce.ops.linear_ce.kernels.common import stats_blocks  # noqa: E402
 from cce.ops.linear_ce.kernels.forward import linear_ce_forward  # noqa: E402
+from cce.ops.linear_ce.kernels.sparse_plan import kept_scratch_tiles  # noqa: E402
 from cce.ops.linear_ce.rows import RowOrder, vocab_scores  # noqa: E402
 from cce.ops.linear_ce.triton_backward import sparse_backward  # noqa: E402
 from cce.ops.linear_ce.triton_impl import linear_ce_triton_fwd  # noqa: E402
@@ -405,7 +405,7 @@ def test_scratch_and_recompute_agree():
     g = torch.full((64,), 1 / 64)
     args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
     dE, dC, plan = sparse_backward(*args, return_plan=True)
-    cap = KS.kept_scratch_tiles(64, e.dtype)
+    cap = kept_scratch_tiles(64, e.dtype)
     assert 0 < cap < int(plan.n_kept)  # both sources in use
     assert int(plan.cnt_e.max()) > _T.de_block_slots  # ... in the dE writer too
     for slots, de_slots in ((0, 0), (10**4, 1), (10**4, 10**3)):

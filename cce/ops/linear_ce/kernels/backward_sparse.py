@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -35,12 +34,12 @@ from .common import (
     precision,
     skipped_coef0,
     split_dot,
-    stats_blocks,
     sub_dc_smoothing,
     tile_cols,
 )
-from .dense_slabs import run_dense_slabs
+from .dense_slabs import DenseSlabRun
 from .first_order import FirstOrder, add_dc_first_order
+from .sparse_plan import SparsePlan
 from .stash import de_rounds, shares_memory, stash_layout, to_e_rows
 from .tile_stats import STATS_STEPS, tile_means
 
@@ -219,7 +218,8 @@ def _kept_dz_block_kernel(
 def _sparse_de_kernel(
     E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Slog, Gamma, Coef, Code, ListE, CntE, Cm, WC,
     Scratch, ScaleBuf, Dense, DEAcc, Gram, GScale, GFlag, dE,
-    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, n_vtiles, softcap, inv_temp,
+    V, D, stride_e, stride_c, stride_de, stride_code, stride_cm, stride_acc, acc_row0, n_vtiles, softcap,
+    inv_temp,
     blk0,
     code_row0, slot_blk0, cap, tiles_per_slab,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
@@ -235,8 +235,9 @@ def _sparse_de_kernel(
     slots of _kept_dz_block_kernel, block slot_blk0's first, the others recomputed)
     + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
     + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v: Gamma and WC,
-    or None without smoothing] [+ DEAcc[sorted row], the dense slabs' part (fp32), whose tiles'
-    codes do not count: Dense per slab of tiles_per_slab tiles, both or neither None]
+    or None without smoothing] [+ DEAcc[sorted row - acc_row0], the dense slabs' part (fp32, of
+    the row block from acc_row0 that holds these rows), whose tiles' codes do not count: Dense
+    per slab of tiles_per_slab tiles, both or neither None]
     [+ alpha_i S_i (e_i @ Gbar), S_i = sum_j S_ij, where GFlag is nonzero: the first-order term
     of first_order.py, Gram = Gbar / GScale in the operand dtype, or None].
     With Eta (the entropy's coefficient per sorted row, or None) the kept tiles' dZ carry
@@ -362,7 +363,7 @@ def _sparse_de_kernel(
         acc -= gamma[:, None] * wc[None, :]
     if HAS_DENSE:
         acc += tl.load(
-            DEAcc + offs_n.to(tl.int64)[:, None] * stride_acc + offs_do[None, :],
+            DEAcc + (offs_n - acc_row0).to(tl.int64)[:, None] * stride_acc + offs_do[None, :],
             mask=row_mask[:, None] & dmask[None, :], other=0.0,
         )  # fmt: skip
     tl.store(
@@ -456,58 +457,6 @@ def _sparse_dc_kernel(
     )  # fmt: skip
 
 
-class PendingFirstOrder(NamedTuple):
-    """The first-order terms where their flag had not reached the host when the plan was made:
-    ``flag`` (int32 [1], the device's; the dC writer reads it meanwhile) and ``build``, which
-    makes their operands (a FirstOrder). linear_ce_backward_sparse calls it after the dC writer's
-    launch unless the flag has reached the host as 0 by then (host time: the operands are a few
-    launches and D x D buffers, made for nothing where the flag is 0)."""
-
-    flag: torch.Tensor
-    build: Callable[[], FirstOrder]
-
-
-@dataclass
-class SparsePlan:
-    """Everything the sparse backward kernels read besides the problem tensors (triton_backward.py
-    builds it with torch ops on the device; rows are in the valid-first order, tiles are the
-    forward's tiles of the vocabulary in ``perm`` order).
-
-    keep [n_blocks, n_tiles] int8; list_e [n_blocks, n_tiles + 1] / cnt_e: kept tiles per block;
-    list_c [n_tiles, n_blocks + 1] / cnt_c: kept blocks per tile; code [N, n_tiles] uint8: the
-    skipped tiles' masses (encode_tile_stats);
-    coef: per row, the exact target entry p_t (alpha [+ eta z_t]) - beta (times softcap');
-    g [n_tiles, D] fp32 skipped mass times its coefficient times e per tile, q [V]
-    its spread within the tile (per position; uniform instead where fo's flag is set);
-    trow / tpos / tcoef: valid rows ordered by the tile of their target (e2d row, target
-    position, coef) with seg [n_tiles + 1] the tile boundaries; wc, ge: the smoothing terms
-    sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
-    """
-
-    keep: torch.Tensor
-    list_e: torch.Tensor
-    cnt_e: torch.Tensor
-    list_c: torch.Tensor
-    cnt_c: torch.Tensor
-    code: torch.Tensor
-    coef: torch.Tensor
-    g: torch.Tensor | None
-    q: torch.Tensor | None
-    trow: torch.Tensor | None
-    tpos: torch.Tensor | None
-    tcoef: torch.Tensor | None
-    seg: torch.Tensor | None
-    wc: torch.Tensor | None
-    ge: torch.Tensor | None
-    gidx: torch.Tensor  # [n_blocks, n_tiles] int32: index of each kept tile among the kept ones
-    klist: torch.Tensor  # [cap + 1] int32: flat index (block * n_tiles + tile) of kept tile k < cap
-    n_kept: torch.Tensor  # [1] int32
-    fo: FirstOrder | None = None  # the first-order terms (first_order.py), or None
-    fo_pending: PendingFirstOrder | None = None  # or, not built yet, their flag and builder
-    # fp32 [N, n_tiles] with the entropy's term: common.skipped_slog of every skipped tile, or None
-    slog: torch.Tensor | None = None
-
-
 def sparse_config() -> tuple[int, int, int, int, int, int]:
     """(BLOCK_D of the recompute, BLOCK_DO of dE and of dC, BLOCK_J, BLOCK_R, num_warps).
 
@@ -516,15 +465,6 @@ def sparse_config() -> tuple[int, int, int, int, int, int]:
     if interpreting():
         return 32, 32, 32, 16, 16, 4
     return 64, 128, 64, 64, 32, 8
-
-
-def kept_scratch_tiles(N: int, dtype: torch.dtype, tiles: int | None = None) -> int:
-    """Scratch slots of the dC writer's kept dZ tiles (Tuning.dc_scratch_tiles; by default two
-    per token block: LM-like data keeps about one, the head of the sorted vocabulary); kept
-    tiles past them are recomputed by the writer."""
-    if tiles is not None:
-        return tiles
-    return 2 * triton.cdiv(N, stats_blocks(dtype)[0])
 
 
 class _Geometry(NamedTuple):
@@ -622,7 +562,7 @@ def _decisions(
     plan: SparsePlan, dense: torch.Tensor | None, decided: HostPeek | None
 ) -> tuple[FirstOrder | None, torch.Tensor | None, list[int] | None]:
     """(fo, dense, slabs): the first-order terms to apply (built here where pending), ``dense``
-    (None where no slab is dense) and the dense slabs for run_dense_slabs (None: all, gated)."""
+    (None where no slab is dense) and the dense slabs for DenseSlabRun (None: all, gated)."""
     # The device's decisions, where they have reached the host (else None: every gated launch).
     seen = None if decided is None else decided.get()
     # Whether the first-order terms' flag has reached the host as 0: their gated launches would
@@ -645,10 +585,12 @@ def _decisions(
 def _write_de(
     g: _Geometry, e2d: torch.Tensor, c: torch.Tensor, perm: torch.Tensor, stash: torch.Tensor,
     plan: SparsePlan, de: _DeSlots, gamma: torch.Tensor | None, cm: torch.Tensor | None,
-    fo: FirstOrder | None, dense: torch.Tensor | None, de_acc: torch.Tensor | None, tiles_per_slab: int,
+    fo: FirstOrder | None, dense: torch.Tensor | None, slab_run: DenseSlabRun | None, tiles_per_slab: int,
 ) -> None:  # fmt: skip
     """dE (N > 0), written once by _sparse_de_kernel into ``stash`` in sorted row order, in the
-    rounds of stash.de_rounds; ``cm``: the tile means in fp32, or None (made here)."""
+    rounds of stash.de_rounds, each cut at the dense slabs' row blocks (``slab_run``: a block's
+    launches are issued before its first rows', and the writer adds its dE part); ``cm``: the
+    tile means in fp32, or None (made here)."""
     N, D, BN, BV = g.N, g.D, g.cfg.BLOCK_N, g.cfg.BLOCK_V
     BD, BDO_E, _, BJ, _, warps = sparse_config()
     slots, slot_scale, S = de.slots, de.scale, de.S
@@ -665,20 +607,21 @@ def _write_de(
             sl = slots[sl_blk0 * S :]
             sl = sl.clone() if de.in_stash else sl
             sl_scale = slot_scale[sl_blk0 * S :] if g.scale_dz else slot_scale
-        with g.ctx:
-            _sparse_de_kernel[(triton.cdiv(b - a, BN) * triton.cdiv(D, BDO_E),)](
-                Slog=plan.slog, Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e,
-                CntE=plan.cnt_e,
-                Cm=cm, WC=plan.wc if gamma is not None else None, Scratch=sl, ScaleBuf=sl_scale,
-                Dense=dense, DEAcc=de_acc, Gram=None if fo is None else fo.gram,
-                GScale=None if fo is None else fo.gscale, GFlag=None if fo is None else fo.flag,
-                dE=stash, tiles_per_slab=tiles_per_slab,
-                stride_de=stash.stride(0), stride_code=code.stride(0),
-                stride_cm=cm.stride(0), stride_acc=0 if de_acc is None else de_acc.stride(0),
-                blk0=a // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0], N_SLOTS=S,
-                BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ, STEPS=STATS_STEPS, num_warps=warps,
-                num_stages=2, **g.common,
-            )  # fmt: skip
+        for a1, b1, de_acc, acc_row0 in slab_run.parts(a, b) if slab_run is not None else [(a, b, None, 0)]:
+            with g.ctx:
+                _sparse_de_kernel[(triton.cdiv(b1 - a1, BN) * triton.cdiv(D, BDO_E),)](
+                    Slog=plan.slog, Gamma=gamma, Coef=plan.coef, Code=code, ListE=plan.list_e,
+                    CntE=plan.cnt_e,
+                    Cm=cm, WC=plan.wc if gamma is not None else None, Scratch=sl, ScaleBuf=sl_scale,
+                    Dense=dense, DEAcc=de_acc, Gram=None if fo is None else fo.gram,
+                    GScale=None if fo is None else fo.gscale, GFlag=None if fo is None else fo.flag,
+                    dE=stash, tiles_per_slab=tiles_per_slab,
+                    stride_de=stash.stride(0), stride_code=code.stride(0),
+                    stride_cm=cm.stride(0), stride_acc=0 if de_acc is None else de_acc.stride(0),
+                    acc_row0=acc_row0, blk0=a1 // BN, code_row0=row0, slot_blk0=sl_blk0, cap=sl.shape[0],
+                    N_SLOTS=S, BLOCK_D=BD, BLOCK_DO=BDO_E, BLOCK_J=BJ, STEPS=STATS_STEPS, num_warps=warps,
+                    num_stages=2, **g.common,
+                )  # fmt: skip
         del code, sl, sl_scale
 
 
@@ -710,6 +653,7 @@ def linear_ce_backward_sparse(
     cm: torch.Tensor | None = None,
     temperature: float = 1.0,
     decided: HostPeek | None = None,
+    block_bytes: int = 256 << 20,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
     codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
@@ -734,11 +678,12 @@ def linear_ce_backward_sparse(
     scale where it is not max |alpha|.
 
     ``dense`` (int8 [n_slabs] on the device, or None): the slabs of ``tiles_per_slab`` tiles
-    that the plan leaves out (keep 0, code 255), done by dense_slabs.run_dense_slabs after the
-    sparse dC writer: their dC rows directly, their dE part through an fp32 [N, D] accumulator
-    the dE writer adds (the one O(N D) buffer besides the gradients, allocated only with
-    ``dense``). ``decided`` (host_peek.HostPeek of ``dense`` and plan.fo's flag, or None): where
-    those have reached the host, only the dense slabs' launches are issued (none, and no
+    that the plan leaves out (keep 0, code 255), done by dense_slabs.DenseSlabRun after the
+    sparse dC writer, by row blocks: their dC rows directly, their dE part through an fp32
+    accumulator of one block's rows that the dE writer adds (its fp32 rows and gathered rows of
+    E within ``block_bytes``: flat in N; allocated only with ``dense``). ``decided``
+    (host_peek.HostPeek of ``dense`` and plan.fo's flag, or None): where those have reached the
+    host, only the dense slabs' launches are issued (none, and no
     accumulator, where no slab is dense), and the first-order terms' only where their flag is
     set. ``cm``: the tile means in fp32 where the caller has them (else made here).
 
@@ -771,28 +716,40 @@ def linear_ce_backward_sparse(
         de = _de_slots(g, e2d, plan, stash, de_block_slots if N > 0 else 0)
     dC = _write_dc(g, e2d, c, weight, plan, stash, de, dense, tiles_per_slab, smooth) if need_dc else None
     fo, dense, slabs = _decisions(plan, dense, decided)
-    de_acc = None
+    slab_run = None
     if dense is not None:
         # After the sparse dC writer (independent of it: it masks the dense slabs' tiles), so that
-        # the slabs' gated launches are issued while the GPU runs it.
-        if need_de:
-            de_acc = torch.zeros((N, D), dtype=torch.float32, device=e2d.device)
-        run_dense_slabs(
-            e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, de_acc, dC,
+        # the slabs' gated launches are issued while the GPU runs it. The first row block adds
+        # the target terms of the dense slabs' classes; the others run between the dE writer's
+        # rounds (_write_de), or here without dE.
+        slab_run = DenseSlabRun(
+            e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, dense, tiles_per_slab, softcap, need_de, dC,
             (plan.seg, plan.trow, plan.tpos, plan.tcoef) if need_dc else None, weight,
             plan.ge if smooth else None, eta=eta, dz_bound=dz_bound, slabs=slabs, temperature=temperature,
+            block_bytes=block_bytes,
         )  # fmt: skip
-    if need_dc and fo is not None:
+        if slab_run.n_blocks > 0:
+            slab_run.run(0)
+        if not need_de:
+            slab_run.run_all()
+    # (dC's dense classes hold a scaled fp16 sum until the last row block: the first-order
+    # terms, which add to every class, wait for it.)
+    fo_now = need_dc and fo is not None and (slab_run is None or slab_run.next == slab_run.n_blocks)
+    if fo_now:
         add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)
     if release:
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
         plan.gidx = plan.klist = None
-        if plan.fo is not None:
+        if plan.fo is not None and (fo_now or not need_dc or fo is None):
             plan.fo.H = plan.fo.rate = plan.fo.tile_of = None
     if not need_de:
         return None, dC
     if N > 0:
-        _write_de(g, e2d, c, perm, stash, plan, de, gamma, cm, fo, dense, de_acc, tiles_per_slab)
-    del de, de_acc
+        _write_de(g, e2d, c, perm, stash, plan, de, gamma, cm, fo, dense, slab_run, tiles_per_slab)
+    del de, slab_run
+    if need_dc and fo is not None and not fo_now:
+        add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)
+        if release:
+            fo.H = fo.rate = fo.tile_of = None
     to_e_rows(stash, src, move_bytes)
     return stash, dC

@@ -86,11 +86,18 @@ def _tile(D, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _epilogue(acc, Acc, Out, S, offs_v, offs_d, V, D, FIRST: tl.constexpr, LAST: tl.constexpr):
-    """x = S acc (+ the stored fp16 tile unless FIRST); stored as fp16, or x / S in Out's dtype."""
-    s = tl.load(S)
-    x = acc * s
+    """scaled_fp16_sum of the output tile (offs_v, offs_d) of a contiguous [V, D] dC."""
     off = offs_v.to(tl.int64)[:, None] * D + offs_d[None, :]  # [BLOCK_V, BLOCK_D]
     mask = (offs_v < V)[:, None] & (offs_d < D)[None, :]
+    scaled_fp16_sum(acc, Acc, Out, S, off, mask, FIRST, LAST)
+
+
+@triton.jit
+def scaled_fp16_sum(acc, Acc, Out, S, off, mask, FIRST: tl.constexpr, LAST: tl.constexpr):
+    """x = S acc (+ the stored fp16 entries at ``off`` unless FIRST); stored as fp16 in Acc (the
+    fp16 view of Out's storage), or at the LAST chunk x / S in Out's dtype."""
+    s = tl.load(S)
+    x = acc * s
     if not FIRST:
         x += tl.load(Acc + off, mask=mask, other=0.0).to(tl.float32)
     if LAST:
@@ -136,13 +143,20 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(lo.float().abs(), hi.float().abs())
 
 
-def dc16_scale(e2d: torch.Tensor, coef_bound: torch.Tensor) -> torch.Tensor:
+def dc16_scale(
+    e2d: torch.Tensor, coef_bound: torch.Tensor, extra: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 [1]: the power of two S of the module docstring, from the hidden states (every row of
     e2d: a bound for any subset) and ``coef_bound`` (fp32 [N]: |alpha_i| + |beta_i| + |gamma_i| W
-    per row, 0 at ignored rows). Device ops only. S = 1 where the bound is 0 (no valid row, or E
-    all zero), at most 2^126 (fp32's range) for a tiny bound, NaN where the bound is not finite
-    (non-finite inputs: dC comes out NaN, not silently wrong)."""
-    bound = (_amax(e2d) * coef_bound.float().sum()).reshape(1)
+    per row, 0 at ignored rows; any terms whose sum times max|E| bounds the sums): B = max|E|
+    sum(coef_bound) (+ ``extra``, fp32 0-dim, a bound of terms not of that form). Device ops
+    only. S = 1 where the bound is 0 (no valid row, or E all zero), at most 2^126 (fp32's range)
+    for a tiny bound, NaN where the bound is not finite (non-finite inputs: dC comes out NaN, not
+    silently wrong)."""
+    bound = _amax(e2d) * coef_bound.float().sum()
+    if extra is not None:
+        bound = bound + extra
+    bound = bound.reshape(1)
     # 2^(top - ceil(log2 B)) = 2^top / 2^ceil(log2 B); frexp gives B = m 2^x with m in [0.5, 1),
     # so 2^ceil(log2 B) <= 2^x (equal unless B is a power of two, where it is half of it).
     _, x = torch.frexp(bound)
@@ -166,13 +180,22 @@ def dz_row_bound(
         W = weight.float().abs().sum() if weight is not None else float(c.shape[0])
         bound = bound + gamma.abs() * W
     if a1 is not None:
-        z = _amax(e2d) * _amax(c) * c.shape[1]
-        if bias is not None:
-            z = z + _amax(torch.where(torch.isfinite(bias), bias, 0))
-        if softcap > 0:
-            z = torch.clamp(z, max=softcap)
+        z = logit_bound(e2d, c, bias, softcap)
         bound = bound + a1.abs() * (z / temperature + math.log(max(c.shape[0], 1)))
     return bound.to(f32)
+
+
+def logit_bound(
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, softcap: float
+) -> torch.Tensor:
+    """fp32 0-dim: a bound of |softcap(e_i . c_v + b_v)| over the classes of finite logit: D max|E|
+    max|C| + max|b| (the finite biases), at most the softcap. Device ops, no host read."""
+    z = _amax(e2d) * _amax(c) * c.shape[1]
+    if bias is not None:
+        z = z + _amax(torch.where(torch.isfinite(bias), bias, 0))
+    if softcap > 0:
+        z = torch.clamp(z, max=softcap)
+    return z
 
 
 def dc_accumulate(dz: torch.Tensor, ec: torch.Tensor, dC: torch.Tensor, S: torch.Tensor, first: bool,
@@ -200,3 +223,23 @@ def dc_accumulate(dz: torch.Tensor, ec: torch.Tensor, dC: torch.Tensor, S: torch
             )  # fmt: skip
         else:
             _dc_accumulate_kernel[grid](DZ=dz, E=ec, stride_dz=dz.stride(0), PRECISION="ieee", **common)
+
+
+def dense_dc16_scale(
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
+    eta: torch.Tensor | None, tcoef: torch.Tensor, weight: torch.Tensor | None, ge: torch.Tensor | None,
+    softcap: float, temperature: float,
+) -> torch.Tensor:  # fmt: skip
+    """dc16_scale of the dense slabs' dC sums over row blocks (dense_slabs.py): an entry of any
+    partial sum is at most max|E| sum_i (|alpha_i| + |eta_i| max|z| / T) (the non-target
+    entries, alpha and eta per sorted row: p <= 1, softcap' <= 1) + max|E| sum_i |coef_i| (the
+    target terms, ``tcoef``) + max|w| max|ge| (smoothing: ``ge`` = sum_i gamma_i e_i, ``weight``
+    the class weights or None)."""
+    row = alpha.float().abs()
+    if eta is not None:
+        row = row + eta.float().abs() * (logit_bound(e2d, c, bias, softcap) / temperature)
+    extra = None
+    if ge is not None:
+        w = 1.0 if weight is None else weight.float().abs().amax()
+        extra = w * ge.abs().amax()
+    return dc16_scale(e2d, torch.cat([row, tcoef.float().abs()]), extra)
