@@ -173,7 +173,18 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
         parts += [w_t_r, wl.sum().reshape(1)]
     gather = GatherSummed if tokens_sharded else GatherReplicated
     G = gather.apply(torch.cat(parts), group).float()  # [world, K]
-    N = tgt.numel()
+    return _combine(G, valid, opts, lay.V, want_ent, want_amax, weight is not None)
+
+
+def _combine(
+    G: torch.Tensor, valid: torch.Tensor, opts: CCEOptions, V: int, want_ent: bool, want_amax: bool,
+    weighted: bool,
+) -> _Rows:  # fmt: skip
+    """The per-token results (:class:`_Rows`) from the all-gathered statistics G [world, K] of
+    _stats_loss (in its order: lse_r, tgt_r[, ssum_r][, H_r][, top, argmax][, w_t, W]), over the
+    whole vocabulary of V classes."""
+    N = valid.numel()
+    smoothing = opts.label_smoothing > 0
 
     def take(k: int) -> torch.Tensor:
         nonlocal off
@@ -195,13 +206,13 @@ def _stats_loss(e2d, rows, tgt, c, bias, weight, opts: CCEOptions, lay: Layout, 
     if want_amax:
         top_all, ids = take(N), take(N)
         argmax = ids.gather(0, top_all.argmax(0, keepdim=True)).squeeze(0).long()
-    if weight is not None:
+    if weighted:
         w_t = take(N).sum(0).detach()
         W = take(1).sum().detach()
     else:
         w_t = valid.float()
-        W = float(lay.V)
-    k = _math.LossConsts(float(opts.label_smoothing), float(opts.z_loss), lay.V)
+        W = float(V)
+    k = _math.LossConsts(float(opts.label_smoothing), float(opts.z_loss), V)
     loss = _math.token_loss(lse, tgt_g, ssum, w_t, W, valid, k)
     return _Rows(
         loss, torch.where(valid, lse, 0.0), torch.where(valid, tgt_g, 0.0), valid, w_t, entropy, argmax

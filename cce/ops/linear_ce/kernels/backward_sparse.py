@@ -626,35 +626,15 @@ def _write_de(
 
 
 def linear_ce_backward_sparse(
-    e2d: torch.Tensor,
-    c: torch.Tensor,
-    bias: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    erow: torch.Tensor,
-    tgt: torch.Tensor,
-    perm: torch.Tensor,
-    n_valid: torch.Tensor,
-    lse: torch.Tensor,
-    alpha: torch.Tensor,
-    gamma: torch.Tensor | None,
-    plan: SparsePlan,
-    softcap: float,
-    need_de: bool,
-    need_dc: bool,
-    stash: torch.Tensor | None = None,
-    src: torch.Tensor | None = None,
-    release: bool = True,
-    de_block_slots: int = 2,
-    move_bytes: int = 8 << 20,
-    dense: torch.Tensor | None = None,
-    tiles_per_slab: int = 1,
-    eta: torch.Tensor | None = None,
-    dz_bound: torch.Tensor | None = None,
-    cm: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    decided: HostPeek | None = None,
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor | None,
+    erow: torch.Tensor, tgt: torch.Tensor, perm: torch.Tensor, n_valid: torch.Tensor, lse: torch.Tensor,
+    alpha: torch.Tensor, gamma: torch.Tensor | None, plan: SparsePlan, softcap: float, need_de: bool,
+    need_dc: bool, stash: torch.Tensor | None = None, src: torch.Tensor | None = None, release: bool = True,
+    de_block_slots: int = 2, move_bytes: int = 8 << 20, dense: torch.Tensor | None = None,
+    tiles_per_slab: int = 1, eta: torch.Tensor | None = None, dz_bound: torch.Tensor | None = None,
+    cm: torch.Tensor | None = None, temperature: float = 1.0, decided: HostPeek | None = None,
     block_bytes: int = 256 << 20,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
     codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
 
@@ -683,9 +663,9 @@ def linear_ce_backward_sparse(
     accumulator of one block's rows that the dE writer adds (its fp32 rows and gathered rows of
     E within ``block_bytes``: flat in N; allocated only with ``dense``). ``decided``
     (host_peek.HostPeek of ``dense`` and plan.fo's flag, or None): where those have reached the
-    host, only the dense slabs' launches are issued (none, and no
-    accumulator, where no slab is dense), and the first-order terms' only where their flag is
-    set. ``cm``: the tile means in fp32 where the caller has them (else made here).
+    host, only the dense slabs' launches are issued (none, and no accumulator, where no slab is
+    dense), and the first-order terms' only where their flag is set. ``cm``: the tile means in
+    fp32 where the caller has them (else made here).
 
     ``temperature``: the logits are softcap(x) / T in the recomputed tiles; the coefficients
     (alpha, eta, plan.coef) carry the chain rule's 1 / T already, and the plan's statistics are
@@ -693,22 +673,8 @@ def linear_ce_backward_sparse(
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma, eta)
     N = erow.numel()
-    V, D = c.shape
-    cfg = config(e2d.dtype, "fwd")
-    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
-    n_blocks, n_vtiles = triton.cdiv(N, BN), triton.cdiv(V, BV)
     smooth = gamma is not None
-    scale_dz = e2d.dtype == torch.float16
-    prec = precision(e2d.dtype)
-    ctx = device_context(e2d.device)
-    # The problem's operands, as every kernel here takes them.
-    common = dict(
-        E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
-        Eta=eta, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), n_vtiles=n_vtiles,
-        softcap=float(softcap), HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature,
-        HAS_TEMP=temperature != 1.0, SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV, PRECISION=prec,
-    )  # fmt: skip
-    g = _Geometry(common, ctx, cfg, N, D, n_blocks, n_vtiles, scale_dz)
+    g = _geometry(e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, eta, softcap, temperature)
     de = None
     if need_de:
         if stash is None or src is None or stash.shape != e2d.shape or stash.dtype != e2d.dtype:
@@ -728,28 +694,58 @@ def linear_ce_backward_sparse(
             plan.ge if smooth else None, eta=eta, dz_bound=dz_bound, slabs=slabs, temperature=temperature,
             block_bytes=block_bytes,
         )  # fmt: skip
-        if slab_run.n_blocks > 0:
-            slab_run.run(0)
         if not need_de:
             slab_run.run_all()
+        elif slab_run.n_blocks > 0:
+            slab_run.run(0)
     # (dC's dense classes hold a scaled fp16 sum until the last row block: the first-order
     # terms, which add to every class, wait for it.)
-    fo_now = need_dc and fo is not None and (slab_run is None or slab_run.next == slab_run.n_blocks)
-    if fo_now:
-        add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)
+    fo_dc = fo if need_dc else None
+    if fo_dc is not None and (slab_run is None or slab_run.next == slab_run.n_blocks):
+        _add_first_order(dC, c, fo_dc, release)
+        fo_dc = None
     if release:
         plan.list_c = plan.cnt_c = plan.g = plan.q = plan.trow = plan.tpos = plan.tcoef = plan.seg = None
         plan.gidx = plan.klist = None
-        if plan.fo is not None and (fo_now or not need_dc or fo is None):
+        if plan.fo is not None and fo_dc is None:
             plan.fo.H = plan.fo.rate = plan.fo.tile_of = None
     if not need_de:
         return None, dC
     if N > 0:
         _write_de(g, e2d, c, perm, stash, plan, de, gamma, cm, fo, dense, slab_run, tiles_per_slab)
     del de, slab_run
-    if need_dc and fo is not None and not fo_now:
-        add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)
-        if release:
-            fo.H = fo.rate = fo.tile_of = None
+    if fo_dc is not None:
+        _add_first_order(dC, c, fo_dc, release)
     to_e_rows(stash, src, move_bytes)
     return stash, dC
+
+
+def _geometry(
+    e2d: torch.Tensor, c: torch.Tensor, bias: torch.Tensor | None, erow: torch.Tensor, tgt: torch.Tensor,
+    perm: torch.Tensor, n_valid: torch.Tensor, lse: torch.Tensor, alpha: torch.Tensor,
+    eta: torch.Tensor | None, softcap: float, temperature: float,
+) -> _Geometry:  # fmt: skip
+    """The _Geometry of one linear_ce_backward_sparse call: the kernels' config and the problem's
+    operands, as every kernel here takes them."""
+    N = erow.numel()
+    V, D = c.shape
+    cfg = config(e2d.dtype, "fwd")
+    BN, BV = cfg.BLOCK_N, cfg.BLOCK_V
+    n_blocks, n_vtiles = triton.cdiv(N, BN), triton.cdiv(V, BV)
+    scale_dz = e2d.dtype == torch.float16
+    common = dict(
+        E=e2d, C=c, Bias=bias, Erow=erow, Tgt=tgt, Perm=perm, NValid=n_valid, Lse=lse, Alpha=alpha,
+        Eta=eta, V=V, D=D, stride_e=e2d.stride(0), stride_c=c.stride(0), n_vtiles=n_vtiles,
+        softcap=float(softcap), HAS_SOFTCAP=softcap > 0, inv_temp=1.0 / temperature,
+        HAS_TEMP=temperature != 1.0, SCALE_DZ=scale_dz, BLOCK_N=BN, BLOCK_V=BV,
+        PRECISION=precision(e2d.dtype),
+    )  # fmt: skip
+    return _Geometry(common, device_context(e2d.device), cfg, N, D, n_blocks, n_vtiles, scale_dz)
+
+
+def _add_first_order(dC: torch.Tensor, c: torch.Tensor, fo: FirstOrder, release: bool) -> None:
+    """The first-order terms' part of dC (gated by their flag), then (``release``) their dC-only
+    operands dropped."""
+    add_dc_first_order(dC, c, fo.H, fo.cm, fo.tile_of, fo.rate, fo.flag)
+    if release:
+        fo.H = fo.rate = fo.tile_of = None
