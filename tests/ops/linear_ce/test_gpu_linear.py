@@ -211,11 +211,19 @@ def test_compile_fullgraph():
 
 
 # The four-pass exact backward in four row blocks of 128 rows (a 1 MiB budget at D = 1024); the
-# fused path in ten chunks of 52 rows of 8192 bf16 classes (dC summed in scaled fp16).
+# fused path in ten chunks of 52 rows of 8192 bf16 classes (dC summed in scaled fp16); every
+# dense slab in row blocks of at most 1 MiB of fp32 dE rows and gathered rows (dC summed in
+# scaled fp16 across them).
 _GRAPH_VARIANTS = {
     **_VARIANTS,
     "exact-row-blocks": {"fused": False, "dz_slab_bytes": 1 << 20},
     "fused-dc16": {"fused_chunk_bytes": 52 * 8192 * 2},
+    "dense-row-blocks": {
+        "backward": "sparse",
+        "dense_slabs": True,
+        "dense_kept": 0.0,
+        "dense_slab_bytes": 1 << 20,
+    },
 }
 
 
@@ -224,6 +232,7 @@ _GRAPH_VARIANTS = {
     [
         ("auto", "sparse"),
         ("auto", "dense-slabs"),
+        ("auto", "dense-row-blocks"),
         (None, "sparse"),
         (None, "exact-row-blocks"),
         (None, "fused-dc16"),
