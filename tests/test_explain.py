@@ -146,11 +146,12 @@ def test_explain_slab_plan_is_the_sparse_backwards(tuning, grads, rows, monkeypa
     """The sparse backward's host-side plan (dense slabs' width, which parts of the rule run,
     the first-order terms' candidacy) that cce.explain shows is the one the backward then runs
     with: the rule's inputs it passes (slab width, first-order cost, dC's estimates) and whether
-    it measures the corrections' errors at all."""
+    it measures the corrections' errors at all; the dense slabs' row blocks at most the plan's."""
+    import cce.ops.linear_ce.kernels.backward_sparse as KS
     import cce.ops.linear_ce.triton_backward as tb
 
     seen = {}
-    flags, errors = tb.dense_slab_flags, tb.slab_errors
+    flags, errors, run = tb.dense_slab_flags, tb.slab_errors, KS.DenseSlabRun
 
     def spy_flags(code, keep, n_valid, BN, tps, kept, err, errs, cost, **kw):
         seen["flags"] = (tps, cost, errs is not None)
@@ -160,8 +161,14 @@ def test_explain_slab_plan_is_the_sparse_backwards(tuning, grads, rows, monkeypa
         seen["dc"] = kw["vscore"] is not None
         return errors(*a, **kw)
 
+    def spy_run(*a, **kw):
+        r = run(*a, **kw)
+        seen["blocks"] = r.n_blocks
+        return r
+
     monkeypatch.setattr(tb, "dense_slab_flags", spy_flags)
     monkeypatch.setattr(tb, "slab_errors", spy_errors)
+    monkeypatch.setattr(KS, "DenseSlabRun", spy_run)
     g = torch.Generator().manual_seed(5)
     e, c, t, _ = make_linear_inputs((2, rows // 2), 16, 100, torch.float32, generator=g)
     e.requires_grad_("e" in grads)
@@ -176,6 +183,7 @@ def test_explain_slab_plan_is_the_sparse_backwards(tuning, grads, rows, monkeypa
         assert seen == {}
         return
     assert seen["flags"] == (sp.tiles_per_slab, sp.first_order_cost, sp.measured)
+    assert seen.get("blocks", 0) <= sp.row_blocks and f"at most {sp.row_blocks}" in sp.reasons[0]
     assert seen.get("dc", False) == sp.dc_rule and (not sp.dc_rule or sp.measured)
     assert sp.dc_rule == ("c" in grads and tuning.get("slab_error_dc", 0.0) < 1)
     idx = SLAB_CASES.index((tuning, grads, rows))

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .kernels.backward_exact import exact_block_rows
 from .kernels.common import de_norm_sq, inverse_permutation, mm_f32, slab_tiles, stats_blocks
 from .kernels.dense_slabs import slab_products
 from .kernels.dz import class_sample_dz
@@ -68,6 +69,8 @@ class SlabPlan:
     whether the first-order terms apply, the device decides from the data (dense_slab_flags).
 
     tiles_per_slab: vocabulary tiles (of the statistics' BLOCK_V classes) per dense slab.
+    row_blocks: the most row blocks the dense slabs run in (dense_slabs.DenseSlabRun: with dE
+        and the rows of E gathered for tensor descriptors; fewer without them).
     rule: the dense-slab rule runs (dense_slab_flags).
     measured: its error estimates from sampled rows run (slab_errors).
     dc_rule: dC's part of those estimates (dC asked for and slab_error_dc < 1).
@@ -77,6 +80,7 @@ class SlabPlan:
     """
 
     tiles_per_slab: int
+    row_blocks: int
     rule: bool
     measured: bool
     dc_rule: bool
@@ -105,6 +109,10 @@ def slab_plan(
     nt = -(-V // BV)
     tps = slab_tiles(N, nt, BV, kdtype.itemsize, dense_slab_bytes)
     n_slabs = -(-nt // tps)
+    BN = stats_blocks(kdtype)[0]
+    blocks = (
+        -(-N // exact_block_rows(N, D, kdtype.itemsize, True, True, False, dense_slab_bytes, BN)) if N else 0
+    )
     dc_rule = need_dc and slab_error_dc < 1
     measured = slab_error < 1 or dc_rule
     rule = dense_slabs and N > 0 and nt > 0 and (dense_kept <= 1 or measured)
@@ -118,7 +126,7 @@ def slab_plan(
             if N == 0 or nt == 0
             else "no rule on (every threshold is 1 or more)"
         )
-        return SlabPlan(tps, False, False, dc_rule, None, (f"no dense slabs: {why}",))
+        return SlabPlan(tps, blocks, False, False, dc_rule, None, (f"no dense slabs: {why}",))
     parts = [f"at least {dense_kept:g} of its tiles kept"] if dense_kept <= 1 else []
     if measured:
         bound = [f"{slab_error:g} in dE"] if slab_error < 1 else []
@@ -126,7 +134,8 @@ def slab_plan(
         parts.append(f"corrections erring more than {' / '.join(bound)} ({ERROR_ROWS} sampled rows)")
     reasons = [
         f"dense slabs: {n_slabs} slab(s) of {tps} tile(s) ({tps * BV} classes), each made dense on the "
-        "device where it has " + " or ".join(parts)
+        "device where it has " + " or ".join(parts) + f"; run by row blocks, at most {blocks} (their fp32 dE "
+        f"rows and gathered rows of E within {dense_slab_bytes / 2**20:.3g} MiB)"
     ]
     if fo:
         reasons.append(f"first-order terms a candidate: their cost, {cost:.2g} slab(s), is below {n_slabs}")
@@ -136,7 +145,7 @@ def slab_plan(
         reasons.append("no first-order terms: Tuning(first_order=False)")
     else:
         reasons.append("no first-order terms: they need the corrections' measured errors")
-    return SlabPlan(tps, True, measured, dc_rule, cost if fo else None, tuple(reasons))
+    return SlabPlan(tps, blocks, True, measured, dc_rule, cost if fo else None, tuple(reasons))
 
 
 class SlabErrors(NamedTuple):
