@@ -428,9 +428,8 @@ class DenseSlabRun:
         # The fp32 dE rows and gathered E rows of a block within block_bytes; no cap on the blocks'
         # number (dC's running sum is fp16 in its storage: dc_accumulate.py).
         R = exact_block_rows(N, D, e2d.element_size(), need_de, launch.tma, False, block_bytes, BN)
-        self.blocks = [(r0, min(N, r0 + R)) for r0 in range(0, N, R)] if N > 0 and V > 0 else []
-        if dC is None and not need_de:
-            self.blocks = []
+        work = N > 0 and V > 0 and (dC is not None or need_de)
+        self.blocks = [(r0, min(N, r0 + R)) for r0 in range(0, N, R)] if work else []
         R = min(R, N)
         self.operands = (e2d, c, bias, erow, tgt, perm, n_valid, lse, alpha, eta)
         self.dense, self.tps, self.slabs = dense, tiles_per_slab, slabs
