@@ -197,13 +197,10 @@ def backward_choice(
 # The fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) stores q per logit in the
 # operands' dtype and rewrites it as dZ: about 4 bytes of memory traffic per logit (16-bit
 # operands) more than the exact backward's dZ slabs, against one matmul pass (2 D flops per
-# logit) less. At an H100's ~200 flops per byte of bandwidth that would pay from D ~ 400 on; the
-# rule was measured with an earlier fp32-logit chunk (12 bytes per logit more: D >= 1024, or small
-# steps bound by the host's launches, of which the fused path issues about half) and holds with
-# q: on an H200 the fused path took 1.23-1.26x the four-pass step at D = 768 (gpt2's head, N = 16384
-# and 32768) and 0.92x at D = 896 (qwen2.5-0.5b's, N = 8192) with 1.23x its memory.
-FUSED_MIN_D = 1024
-FUSED_HOST_BOUND_LOGITS = 1 << 29
+# logit) less, which at ~200 flops per byte of bandwidth pays from D ~ 400 on. It is taken at
+# every D: measured on an H200 against the four-pass backward, 0.79-0.92x its time at D = 768
+# and 896 (gpt2's and qwen2.5-0.5b's heads, N = 8192 to 65536, zipf and random data) with
+# 0.99-1.23x its memory (docs/benchmarks.md, "The fused exact path at small D").
 
 
 def fused_fits(*args, **kwargs) -> bool:
@@ -215,9 +212,6 @@ def fused_misfit(
     tuning: Tuning,
     reduction: str,
     dtype: torch.dtype,
-    N: int,
-    V: int,
-    D: int,
     need_grad: bool,
     softcap: float = 0.0,
     label_smoothing: float = 0.0,
@@ -227,9 +221,8 @@ def fused_misfit(
     The fused exact path (cce/ops/linear_ce/kernels/fused_grads.py) serves a training
     step where the exact backward would run: the upstream gradient is a scalar (reduction "mean"
     or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
-    of a "mean" falls below its normal range); it is the faster one (D >= FUSED_MIN_D, or at most
-    FUSED_HOST_BOUND_LOGITS logits); not softcap with label smoothing (whose smoothing term needs
-    the softcap's derivative per entry). Any number of row chunks: memory is one chunk of
+    of a "mean" falls below its normal range); not softcap with label smoothing (whose smoothing
+    term needs the softcap's derivative per entry). Any number of row chunks: memory is one chunk of
     ``tuning.fused_chunk_bytes`` and its rows, and dC's sum over the chunks keeps its accuracy
     (fused_dc16)."""
     if not need_grad:
@@ -242,8 +235,6 @@ def fused_misfit(
         return "softcap with label smoothing"
     if dtype not in (torch.bfloat16, torch.float32):
         return f"{dtype} operands"
-    if D < FUSED_MIN_D and N * V > FUSED_HOST_BOUND_LOGITS:
-        return f"D = {D} < {FUSED_MIN_D} with more than 2^29 logits (four passes are faster there)"
     return None
 
 
@@ -311,6 +302,7 @@ class LinearPlan:
     chunks: int
     reasons: tuple[str, ...]
     slabs: Any = None
+    chunk_bytes: int = 0
 
     def __str__(self) -> str:
         head = f"impl={self.impl!r}, backward={self.backward!r}, filter_eps={self.filter_eps:.3g}"
@@ -334,24 +326,31 @@ def plan_triton(
     (dE, dC, dbias asked for): fused_misfit, then backward_choice."""
     (N, V, D), (need_de, need_dc, need_dbias) = shape, grads
     need = need_de or need_dc or need_dbias
-    misfit = fused_misfit(tuning, reduction, dtype, N, V, D, need, softcap, label_smoothing)
+    misfit = fused_misfit(tuning, reduction, dtype, need, softcap, label_smoothing)
     whole = fused_one_chunk(tuning, N, V, dtype.itemsize)
     algo, why = backward_choice(
         tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, 2.0 * N * V * D, cuda,
         misfit is None, whole, classes=V,
     )  # fmt: skip
     reasons = [why] if need else ["no gradient is asked for: the forward alone runs"]
-    if need and algo == "fused":
-        reasons.append("gradients formed in the forward by row chunks: three matmul passes")
-        if need_dc and fused_dc16(fused_chunks(tuning, N, V, dtype.itemsize), dtype):
+    chunks = size = 0
+    if algo == "fused":  # (a gradient is asked for: fused_misfit)
+        size = tuning.fused_chunk_bytes
+        chunks = fused_chunks(tuning, N, V, dtype.itemsize)
+        rows = fused_chunk_rows(N, V, size, dtype.itemsize)
+        q = rows * fused_padded_classes(V) * dtype.itemsize / 2**20
+        reasons.append(
+            f"gradients formed in the forward by row chunks: three matmul passes; {chunks} chunk(s) of "
+            f"{rows} rows, {q:.3g} MiB of q (Tuning.fused_chunk_bytes)"
+        )
+        if need_dc and fused_dc16(chunks, dtype):
             reasons.append(
                 f"more than {FUSED_DIRECT_CHUNKS} chunks: dC sums them in its own storage in scaled fp16"
             )
     elif need and algo == "exact":
         reasons.append(f"not the fused path ({misfit}): four matmul passes")
-    chunks = fused_chunks(tuning, N, V, dtype.itemsize) if algo == "fused" else 0
     eps = filter_eps if algo == "sparse" else 0.0
-    return LinearPlan("triton", algo, eps, chunks, tuple(reasons))
+    return LinearPlan("triton", algo, eps, chunks, tuple(reasons), chunk_bytes=size)
 
 
 def plan_torch(

@@ -546,14 +546,15 @@ def linear_ce_triton(
     statistics (of the tempered logits, at any temperature); a gradient reaching the entropy is
     part of the sparse backward (after the fused forward it runs the exact one)."""
     N, (V, D) = targets.numel(), c.shape
-    algo = plan_triton(
+    plan = plan_triton(
         tuning, reduction, e2d.dtype, (N, V, D), (need_de, need_dc, need_dbias), softcap, label_smoothing,
         filter_eps, c.is_cuda,
-    ).backward  # fmt: skip
+    )  # fmt: skip
+    algo = plan.backward
     if algo == "fused":
         out = linear_ce_triton_fused(
             e2d, c, bias, weight, rows, targets, ignore_index, reduction, softcap, label_smoothing, z_loss,
-            need_de, need_dc, need_dbias, tuning.fused_chunk_bytes, tuning.dz_slab_bytes,
+            need_de, need_dc, need_dbias, plan.chunk_bytes, tuning.dz_slab_bytes,
             float(temperature), entropy, argmax,
         )  # fmt: skip
         return out[0], out[1], out[5], out[6] if entropy else None, out[7] if argmax else None

@@ -23,8 +23,6 @@ from test_linear import SETTINGS, build, check_against_oracle, problems
 from cce import Tuning
 from cce._dispatch import (
     FUSED_DIRECT_CHUNKS,
-    FUSED_HOST_BOUND_LOGITS,
-    FUSED_MIN_D,
     fused_chunk_rows,
     fused_chunks,
     fused_dc16,
@@ -226,24 +224,24 @@ def test_fused_backward_twice():
 
 
 def test_fused_dispatch():
-    """Where the fused path runs: scalar upstream gradients, bf16 / fp32, D or size as in
-    _dispatch's cost note, and memory bounded by the chunk budget."""
+    """Where the fused path runs: scalar upstream gradients, bf16 / fp32, at any shape (as in
+    _dispatch's cost note), and memory bounded by the chunk budget."""
     T = Tuning()
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-    assert fused_fits(T, "mean", bf16, 2048, 32000, 4096, True)
-    assert fused_fits(T, "sum", f32, 2048, 32000, 4096, True)
-    assert not fused_fits(T, "none", bf16, 2048, 32000, 4096, True)
-    assert not fused_fits(T, "mean", f16, 2048, 32000, 4096, True)
-    assert not fused_fits(T, "mean", bf16, 2048, 32000, 4096, False)
-    assert not fused_fits(Tuning(fused=False), "mean", bf16, 2048, 32000, 4096, True)
-    assert fused_fits(T, "mean", bf16, 2048, 32000, 4096, True, 30.0, 0.0)
-    assert fused_fits(T, "mean", bf16, 2048, 32000, 4096, True, 0.0, 0.1)
-    assert not fused_fits(T, "mean", bf16, 2048, 32000, 4096, True, 30.0, 0.1)
-    # Small D: only at host-bound sizes.
-    small_n = FUSED_HOST_BOUND_LOGITS // 50257
-    assert fused_fits(T, "mean", bf16, small_n, 50257, FUSED_MIN_D - 1, True)
-    assert not fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D - 1, True)
-    assert fused_fits(T, "mean", bf16, small_n + 1, 50257, FUSED_MIN_D, True)
+    assert fused_fits(T, "mean", bf16, True)
+    assert fused_fits(T, "sum", f32, True)
+    assert not fused_fits(T, "none", bf16, True)
+    assert not fused_fits(T, "mean", f16, True)
+    assert not fused_fits(T, "mean", bf16, False)
+    assert not fused_fits(Tuning(fused=False), "mean", bf16, True)
+    assert fused_fits(T, "mean", bf16, True, 30.0, 0.0)
+    assert fused_fits(T, "mean", bf16, True, 0.0, 0.1)
+    assert not fused_fits(T, "mean", bf16, True, 30.0, 0.1)
+    # Any shape: D and the number of logits do not enter (three passes were the faster ones
+    # down to D = 768), nor the chunks (below).
+    for D in (1, 768, 896, 4096):
+        plan = plan_triton(T, "mean", bf16, (1 << 16, 50257, D), (True, True, False), 0.0, 0.0, 0.0, True)
+        assert plan.backward == "fused", plan
     # Any number of chunks (memory is one chunk: 16 rows of 16000 fp32 logits per MiB); past
     # FUSED_DIRECT_CHUNKS chunks dC sums them in scaled fp16 with 16-bit operands, in itself with fp32.
     Tb = Tuning(fused_chunk_bytes=1 << 20)
@@ -251,7 +249,7 @@ def test_fused_dispatch():
     assert fused_chunks(Tb, 16 * FUSED_DIRECT_CHUNKS, 16000) == FUSED_DIRECT_CHUNKS
     assert fused_chunks(Tb, 1 << 16, 16000, 2) == 2048
     for dt in (f32, bf16):
-        assert fused_fits(Tb, "mean", dt, 1 << 16, 16000, 4096, True)
+        assert fused_fits(Tb, "mean", dt, True)
     assert not fused_dc16(FUSED_DIRECT_CHUNKS, bf16) and fused_dc16(FUSED_DIRECT_CHUNKS + 1, bf16)
     assert not fused_dc16(FUSED_DIRECT_CHUNKS + 1, f32)
 
