@@ -43,12 +43,13 @@ def _inputs(opts, grads, dtype=torch.float32):
 
 
 def _spy(monkeypatch):
-    """The triton launchers the call reaches: ("fused",) or ("fwd", filter_eps, stats)."""
+    """The triton launchers the call reaches: ("fused", bytes of q per chunk) or ("fwd",
+    filter_eps, stats)."""
     import cce.ops.linear_ce.triton_impl as ti
 
     seen = []
     fused, fwd = ti.linear_ce_triton_fused, ti.linear_ce_triton_fwd
-    monkeypatch.setattr(ti, "linear_ce_triton_fused", lambda *a: seen.append(("fused",)) or fused(*a))
+    monkeypatch.setattr(ti, "linear_ce_triton_fused", lambda *a: seen.append(("fused", a[14])) or fused(*a))
     monkeypatch.setattr(ti, "linear_ce_triton_fwd", lambda *a: seen.append(("fwd", a[11], a[12])) or fwd(*a))
     return seen
 
@@ -67,9 +68,12 @@ def test_explain_triton_matches_the_path_taken(opts, tuning, grads, monkeypatch)
         loss.sum().backward()
     first = seen[0]
     if plan.backward == "fused":
-        assert first == ("fused",) and plan.filter_eps == 0 and plan.chunks >= 1
+        # the chunk the op runs is the plan's (cce.Tuning's fused_chunk_bytes)
+        assert first == ("fused", plan.chunk_bytes) and plan.filter_eps == 0 and plan.chunks >= 1
+        assert plan.chunk_bytes == cce.Tuning(**tuning).fused_chunk_bytes
+        assert any(f"{plan.chunks} chunk(s) of" in r for r in plan.reasons), plan
     else:
-        assert first[0] == "fwd" and plan.chunks == 0
+        assert first[0] == "fwd" and plan.chunks == 0 and plan.chunk_bytes == 0
         assert first[2] == (plan.backward == "sparse")  # the tile statistics
         assert (first[1] == 0) == (plan.backward == "exact")
         if plan.backward == "sparse":
