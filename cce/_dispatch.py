@@ -327,16 +327,15 @@ def plan_triton(
     (N, V, D), (need_de, need_dc, need_dbias) = shape, grads
     need = need_de or need_dc or need_dbias
     misfit = fused_misfit(tuning, reduction, dtype, need, softcap, label_smoothing)
-    whole = fused_one_chunk(tuning, N, V, dtype.itemsize)
+    chunks = fused_chunks(tuning, N, V, dtype.itemsize)
     algo, why = backward_choice(
         tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, 2.0 * N * V * D, cuda,
-        misfit is None, whole, classes=V,
+        misfit is None, chunks == 1, classes=V,
     )  # fmt: skip
     reasons = [why] if need else ["no gradient is asked for: the forward alone runs"]
-    chunks = size = 0
+    size = 0
     if algo == "fused":  # (a gradient is asked for: fused_misfit)
         size = tuning.fused_chunk_bytes
-        chunks = fused_chunks(tuning, N, V, dtype.itemsize)
         rows = fused_chunk_rows(N, V, size, dtype.itemsize)
         q = rows * fused_padded_classes(V) * dtype.itemsize / 2**20
         reasons.append(
@@ -347,8 +346,10 @@ def plan_triton(
             reasons.append(
                 f"more than {FUSED_DIRECT_CHUNKS} chunks: dC sums them in its own storage in scaled fp16"
             )
-    elif need and algo == "exact":
-        reasons.append(f"not the fused path ({misfit}): four matmul passes")
+    else:
+        chunks = 0
+        if need and algo == "exact":
+            reasons.append(f"not the fused path ({misfit}): four matmul passes")
     eps = filter_eps if algo == "sparse" else 0.0
     return LinearPlan("triton", algo, eps, chunks, tuple(reasons), chunk_bytes=size)
 
