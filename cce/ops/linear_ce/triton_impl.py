@@ -451,14 +451,16 @@ register_fake(linear_ce_triton_fused, _fused_fake)
 
 
 class ScaleArgs(NamedTuple):
-    x: torch.Tensor  # contiguous, scaled in place
+    xs: list[torch.Tensor]  # contiguous, each scaled in place
     s: torch.Tensor  # 0-dim fp32
 
 
-@define_op("cce::scale_", ScaleArgs, None, mutates_args=("x",))
+@define_op("cce::scale_", ScaleArgs, None, mutates_args=("xs",))
 def scale_inplace(a: ScaleArgs) -> None:
-    """x *= s in place (kernels/fused_grads.scale_)."""
-    scale_(a.x, a.s)
+    """x *= s in place for every x in xs (kernels/fused_grads.scale_): one op call for all the
+    forward's gradients."""
+    for x in a.xs:
+        scale_(x, a.s)
 
 
 register_fake(scale_inplace, lambda a: None)
@@ -489,11 +491,10 @@ def _fused_backward(ctx, g_loss, g_lse, _g_de, _g_dc, _g_db, g_tgt, g_ent, _g_am
     if g_loss is not None and pre is not None:
         # (g_loss == 1 is short-cut inside the scale kernel, on the device: a host branch on the
         # value would sync, and is a data-dependent guard under torch.compile.)
-        g = g_loss.float()
         for j, x in enumerate(pre):
             if need[j]:
-                scale_inplace(x, g)
                 grads[j] = x
+        scale_inplace([x for x in grads if x is not None], g_loss.float())
     elif g_loss is not None:
         valid = targets != a.ignore_index
         w_t = _math.target_weight(weight, targets, valid)

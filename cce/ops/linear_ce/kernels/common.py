@@ -520,17 +520,24 @@ def aligned_parts(width: int) -> list[tuple[int, int]]:
     return [(0, width)] if w8 in (0, width) else [(0, w8), (w8, width)]
 
 
-def slab_products(dz, c_slab, E_s, dE, dC, v0: int, scale, accumulate_dc: bool = False) -> None:
-    """dE += dz @ c_slab (dE fp32) and dC[v0 : v0 + width] = dz^T @ E_s for one slab's columns
-    (``accumulate_dc``: +=, in fp32 with one rounding to dC's dtype)."""
+def slab_products(
+    dz, c_slab, E_s, dE, dC, v0: int, scale, accumulate_dc: bool = False, accumulate_de: bool = True
+) -> None:
+    """dE += dz @ c_slab (dE fp32; ``accumulate_de`` False: =) and dC[v0 : v0 + width] = dz^T @
+    E_s for one slab's columns (``accumulate_dc``: +=, in fp32 with one rounding to dC's dtype)."""
     f32 = torch.float32
     if dE is not None:
         if scale is None and dz.is_cuda and dz.dtype != f32:
             # Accumulated by the GEMM itself (beta = 1, fp32 output): no fp32 [N, D]
             # temporary per slab to write, read back and add.
-            torch.addmm(dE, dz, c_slab, out_dtype=f32, out=dE)
-        else:
+            if accumulate_de:
+                torch.addmm(dE, dz, c_slab, out_dtype=f32, out=dE)
+            else:
+                torch.mm(dz, c_slab, out_dtype=f32, out=dE)
+        elif accumulate_de:
             dE += mm_f32(dz, c_slab, scale)
+        else:
+            dE.copy_(mm_f32(dz, c_slab, scale))
     if dC is not None:
         rows = dC[v0 : v0 + dz.shape[1]]
         if accumulate_dc:

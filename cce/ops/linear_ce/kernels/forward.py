@@ -448,6 +448,8 @@ def linear_ce_forward(
     tpos: torch.Tensor | None = None,
     q: torch.Tensor | None = None,
     qm: torch.Tensor | None = None,
+    e_rows: torch.Tensor | None = None,
+    all_valid: bool = False,
 ) -> FwdStats:
     """Statistics of the rows ``e2d[erow]`` (valid rows first, ``n_valid`` of them, int32 [1]).
 
@@ -473,13 +475,18 @@ def linear_ce_forward(
     ``q`` ([N, >= V], unit column stride) and ``qm`` (fp32 [N, tiles of the forward config]),
     without ``perm``: every tile's q = e^(L - m') softcap'(z) and running max m' (_fwd_tile's
     STORE_Q), in sorted row order.
+
+    ``e_rows``: the rows ``e2d[erow]`` where the caller has them (a view of a row range, or rows
+    it gathers anyway), read in place of a gather of its own by the tensor descriptors.
+    ``all_valid``: the caller knows n_valid == N on the host; every split then writes every row
+    of its partials, which need no neutral fill.
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, n_valid, perm)
     p = _fwd_plan(e2d, c, erow.numel(), perm, eps, q, qm, tma, programs_per_sm, slab_bytes)
     f = _FwdCall(
         e2d=e2d, c=c, bias=bias, weight=weight, erow=erow, tgt=tgt, n_valid=n_valid, perm=perm,
         softcap=softcap, smoothing=smoothing, eps=eps, temperature=temperature, entropy=entropy,
-        argmax=argmax, q=q, qm=qm,
+        argmax=argmax, q=q, qm=qm, e_rows=e_rows, all_valid=all_valid,
     )  # fmt: skip
     b = _fwd_buffers(f, p, tpos)
     m0, cm = _fwd_walk(f, p, b)
@@ -510,6 +517,8 @@ class _FwdCall:
     argmax: bool
     q: torch.Tensor | None
     qm: torch.Tensor | None
+    e_rows: torch.Tensor | None
+    all_valid: bool
 
 
 @dataclass
@@ -629,7 +638,10 @@ def _fwd_tma_operands(f: _FwdCall, p: _FwdPlan) -> tuple[object, torch.Tensor | 
     e_arg = f.e2d
     c_buf = None
     if p.tma and p.N > 0:
-        e_arg = p.TD.from_tensor(f.e2d.index_select(0, f.erow), [p.cfg.BLOCK_N, p.cfg.BLOCK_D])
+        rows = f.e_rows
+        if rows is None or not tma_rows_ok(rows):
+            rows = f.e2d.index_select(0, f.erow)
+        e_arg = p.TD.from_tensor(rows, [p.cfg.BLOCK_N, p.cfg.BLOCK_D])
         if len(p.slabs) > 1 or p.stats or not tma_rows_ok(f.c):
             rows = min(p.V, p.slabs[0][1] * p.cfg.BLOCK_V)
             c_buf = torch.empty((rows, p.D), dtype=f.c.dtype, device=f.e2d.device)
@@ -648,12 +660,19 @@ def _fwd_buffers(f: _FwdCall, p: _FwdPlan, tpos: torch.Tensor | None) -> _FwdBuf
             tpos = inverse_permutation(f.perm).index_select(0, f.tgt)
     else:
         tpos = f.tgt
-    Mx = torch.full((parts, N), float("-inf"), dtype=f32, device=dev)
-    Se = torch.zeros((parts, N), dtype=f32, device=dev)
-    Ss = torch.zeros((parts, N), dtype=f32, device=dev) if f.smoothing else None
-    Hs = torch.zeros((parts, N), dtype=f32, device=dev) if f.entropy else None
-    Ax = torch.full((parts, N), float("-inf"), dtype=f32, device=dev) if f.argmax else None
-    Ix = torch.zeros((parts, N), dtype=torch.int32, device=dev) if f.argmax else None
+
+    def part(fill: float, dtype: torch.dtype = f32) -> torch.Tensor:
+        # (every row valid: each part's rows are all written by their split)
+        if f.all_valid:
+            return torch.empty((parts, N), dtype=dtype, device=dev)
+        return torch.full((parts, N), fill, dtype=dtype, device=dev)
+
+    Mx = part(float("-inf"))
+    Se = part(0.0)
+    Ss = part(0.0) if f.smoothing else None
+    Hs = part(0.0) if f.entropy else None
+    Ax = part(float("-inf")) if f.argmax else None
+    Ix = part(0, torch.int32) if f.argmax else None
     zt = torch.empty(N, dtype=f32, device=dev)
     St = torch.empty((N, n_vtiles), dtype=torch.float16, device=dev) if stats else None
     Sq = torch.empty((N, n_vtiles), dtype=torch.int8, device=dev) if stats else None

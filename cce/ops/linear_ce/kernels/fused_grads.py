@@ -16,10 +16,12 @@ against four passes of the exact backward (forward, dZ recompute, two products).
 three GEMMs' own operand and output traffic (q written once, dZ read twice: as three bf16
 GEMMs), the step moves 4 bytes per logit (16-bit operands): _dz_kernel reading q and writing dZ
 over it. Memory: one chunk of q (``chunk_bytes``; its rows padded to 16 classes, FUSED_PAD_CLASSES,
-16-byte aligned for cuBLAS), the chunk's fp32 dE rows (finished into dE after each chunk) and
-its gathered rows of E: flat in N. dC sums the chunks in its own storage: in c's dtype up to
-FUSED_DIRECT_CHUNKS chunks (cuBLAS, one rounding per chunk), past that in scaled fp16
-(dc_accumulate.py, 8x finer roundings), so its error stays bounded at any number of chunks.
+16-byte aligned for cuBLAS), the chunk's fp32 dE rows (finished into dE after each chunk) and,
+where rows are read by index (``rows``), its rows of E gathered once for the forward's tensor
+descriptors and the products (else a view of e2d): flat in N. dC sums the chunks in its own
+storage: in c's dtype up to FUSED_DIRECT_CHUNKS chunks (cuBLAS, one rounding per chunk), past that
+in scaled fp16 (dc_accumulate.py, 8x finer roundings), so its error stays bounded at any number
+of chunks.
 
 Rounding: q = e^(L - m') <= 1 rounds once (relative 2^-9 in bf16, which keeps fp32's exponent
 range), dZ = f q once more: the same relative error per entry as a dZ rounded from fp32 logits,
@@ -237,9 +239,13 @@ def linear_ce_fused(
             k = t - s
             if k not in n_valid:
                 n_valid[k] = torch.full((1,), k, dtype=torch.int32, device=dev)
+            # the chunk's rows of e: a view, or gathered once for the forward's descriptors and
+            # the products
+            ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
             st = linear_ce_forward(
                 e2d, c, bias, weight, erow[s:t], safe_t[s:t], n_valid[k], softcap, gamma is not None,
                 temperature=temperature, entropy=entropy, argmax=argmax, q=qbuf[:k], qm=qm[:k],
+                e_rows=ec, all_valid=True,
             )  # fmt: skip
             stats.append(st)
             tiles = dz_split_tiles(k, n_vt)
@@ -249,7 +255,7 @@ def linear_ce_fused(
                 th_scale=temperature / softcap if softcap > 0 else 0.0, HAS_SOFTCAP=softcap > 0,
                 BLOCK_V=BV, TILES=2 if interpreting() else DZ_TILES, num_warps=DZ_WARPS,
             )  # fmt: skip
-            _chunk_products(qbuf[:k, :V], e2d, c, rows, safe_t, lo, s, t, dE, de_buf, dC, dbias, S, t == N)
+            _chunk_products(qbuf[:k, :V], ec, c, rows, safe_t, lo, s, t, dE, de_buf, dC, dbias, S, t == N)
     if dbias is not None and lo is not None:
         dbias.index_add_(0, safe_t, lo)
 
@@ -267,26 +273,28 @@ def linear_ce_fused(
 
 
 def _chunk_products(
-    dz: torch.Tensor, e2d: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None, safe_t: torch.Tensor,
+    dz: torch.Tensor, ec: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None, safe_t: torch.Tensor,
     lo: torch.Tensor | None, s: int, t: int, dE: torch.Tensor | None, de_buf: torch.Tensor | None,
     dC: torch.Tensor | None, dbias: torch.Tensor | None, S: torch.Tensor | None, last: bool,
 ) -> None:  # fmt: skip
-    """The products of the chunk of problem rows [s, t) from its dZ [t - s, V]: dbias += its
-    column sums; dE's rows (in ``de_buf``'s fp32 rows, then finished into dE with the target
-    remainders ``lo``; de_buf None: in dE itself); dC written (first chunk) or accumulated (by
-    cuBLAS in its dtype, or with ``S`` in scaled fp16 until the ``last`` chunk)."""
-    ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
+    """The products of the chunk of problem rows [s, t) (their rows of e: ``ec``) from its dZ
+    [t - s, V]: dbias += its column sums; dE's rows (in ``de_buf``'s fp32 rows, then finished
+    into dE with the target remainders ``lo``; de_buf None: in dE itself); dC written (first
+    chunk) or accumulated (by cuBLAS in its dtype, or with ``S`` in scaled fp16 until the
+    ``last`` chunk)."""
     if dbias is not None:
         dbias += torch.sum(dz, 0, dtype=torch.float32)
     dE_c = None
     if dE is not None:
-        dE_c = (dE[s:t] if de_buf is None else de_buf[: t - s]).zero_()
+        dE_c = dE[s:t] if de_buf is None else de_buf[: t - s]  # (written by the first part)
     if S is not None:
         dc_accumulate(dz, ec.contiguous(), dC, S, first=s == 0, last=last)
     for k0, k1 in aligned_parts(c.shape[0]):
         dc = None if S is not None else dC
         if dE_c is not None or dc is not None:
-            slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, dc, k0, None, accumulate_dc=s > 0)
+            slab_products(
+                dz[:, k0:k1], c[k0:k1], ec, dE_c, dc, k0, None, accumulate_dc=s > 0, accumulate_de=k0 > 0
+            )  # fmt: skip
     if de_buf is not None:
         r = None if rows is None else rows[s:t]
         if lo is not None:
