@@ -173,7 +173,8 @@ def backward_choice(
     if calibrated and fused_whole and cuda:
         return (
             "fused",
-            "exact (fused): the logits fit one fused chunk (filtering's fixed costs would outweigh it)",
+            f"exact (fused): the logits' q fits one chunk of {FUSED_MAX_CHUNK_BYTES >> 20} MiB (or "
+            "Tuning.fused_chunk_bytes): filtering's fixed costs would outweigh what it skips",
         )
     min_classes = tuning.sparse_min_classes
     if min_classes is None:
@@ -222,9 +223,8 @@ def fused_misfit(
     step where the exact backward would run: the upstream gradient is a scalar (reduction "mean"
     or "sum"); the operands are bf16 or fp32 (fp16 would need dZ scaled: alpha p with alpha ~ 1 / N
     of a "mean" falls below its normal range); not softcap with label smoothing (whose smoothing
-    term needs the softcap's derivative per entry). Any number of row chunks: memory is one chunk of
-    ``tuning.fused_chunk_bytes`` and its rows, and dC's sum over the chunks keeps its accuracy
-    (fused_dc16)."""
+    term needs the softcap's derivative per entry). Any number of row chunks: memory is one chunk
+    (fused_chunk_bytes) and its rows, and dC's sum over the chunks keeps its accuracy (fused_dc16)."""
     if not need_grad:
         return "no gradient is asked for"
     if not tuning.fused:
@@ -275,14 +275,53 @@ def fused_chunk_rows(N: int, V: int, chunk_bytes: int, itemsize: int = 4) -> int
     return -(-max(N, 1) // k)
 
 
-def fused_chunks(tuning: Tuning, N: int, V: int, itemsize: int = 4) -> int:
-    """The fused path's row chunks."""
-    return -(-max(N, 1) // fused_chunk_rows(N, V, tuning.fused_chunk_bytes, itemsize))
+def fused_chunks(N: int, V: int, chunk_bytes: int, itemsize: int = 4) -> int:
+    """The fused path's row chunks for a chunk of ``chunk_bytes`` (fused_chunk_rows)."""
+    return -(-max(N, 1) // fused_chunk_rows(N, V, chunk_bytes, itemsize))
+
+
+# The fused path's chunk is Tuning.fused_chunk_bytes (512 MiB by default) or, where that is None,
+# sized so that the step holds at most FUSED_MEMORY_SHARE of its gradients plus FUSED_MEMORY_BYTES
+# beyond them (per chunk row its
+# q, fp32 dE row, row of e gathered (with shift) and tiles' running maxima; FUSED_MEMORY_MARGIN for
+# the forward's partial statistics and the like, FUSED_ROW_BYTES per problem row for the O(N)
+# vectors: targets, coefficients, statistics), at most FUSED_MAX_CHUNK_BYTES of q. Smaller
+# chunks cost time: dC is read and written once more per chunk (4 V D bytes), past
+# FUSED_DIRECT_CHUNKS chunks by the slower fp16-sum product, the products are smaller and each
+# chunk costs its launches: 3-25% more per step than 512 MiB chunks on an H200
+# (docs/benchmarks.md, "The fused chunk against the memory target"), so it is not the default.
+FUSED_MEMORY_SHARE = 0.05
+FUSED_MEMORY_BYTES = 256 * 10**6
+FUSED_MEMORY_MARGIN = 8 << 20
+FUSED_ROW_BYTES = 96
+FUSED_MAX_CHUNK_BYTES = 1 << 29
+
+
+def fused_chunk_bytes(
+    tuning: Tuning, shape: tuple[int, int, int], itemsize: int, grads: tuple[bool, bool, bool]
+) -> int:
+    """Bytes of the fused path's q chunk for ``shape`` = (N, V, D), operands of ``itemsize``
+    bytes and ``grads`` = (dE, dC, dbias asked for): Tuning.fused_chunk_bytes, or where that is
+    None sized to the memory target (the comment above); at least one row."""
+    if tuning.fused_chunk_bytes is not None:
+        return tuning.fused_chunk_bytes
+    (N, V, D), (need_de, need_dc, need_dbias) = shape, grads
+    gradients = itemsize * D * (N * need_de + V * need_dc) + 4 * V * need_dbias
+    allowance = (
+        FUSED_MEMORY_SHARE * gradients + FUSED_MEMORY_BYTES - FUSED_MEMORY_MARGIN - FUSED_ROW_BYTES * N
+    )
+    q_row = itemsize * fused_padded_classes(V)
+    per_row = q_row + (4 * need_de + itemsize) * D + 4 * -(-V // 128)
+    rows = max(1, int(allowance // per_row))
+    return min(rows * q_row, FUSED_MAX_CHUNK_BYTES)
 
 
 def fused_one_chunk(tuning: Tuning, N: int, V: int, itemsize: int = 4) -> bool:
-    """Whether the fused path's q (padded rows of ``itemsize`` bytes) fits one chunk."""
-    return fused_chunks(tuning, N, V, itemsize) == 1
+    """The size rule's test (backward_choice's ``fused_whole``): whether the logits' q (padded rows
+    of ``itemsize`` bytes) fits one chunk of FUSED_MAX_CHUNK_BYTES (or Tuning.fused_chunk_bytes),
+    the size it was calibrated at: a cost rule, apart from the memory target's chunks."""
+    size = FUSED_MAX_CHUNK_BYTES if tuning.fused_chunk_bytes is None else tuning.fused_chunk_bytes
+    return fused_chunks(N, V, size, itemsize) == 1
 
 
 @dataclass(frozen=True)
@@ -327,27 +366,32 @@ def plan_triton(
     (N, V, D), (need_de, need_dc, need_dbias) = shape, grads
     need = need_de or need_dc or need_dbias
     misfit = fused_misfit(tuning, reduction, dtype, need, softcap, label_smoothing)
-    chunks = fused_chunks(tuning, N, V, dtype.itemsize)
     algo, why = backward_choice(
         tuning, filter_eps, need_de, need_dc, need_dbias, softcap, label_smoothing, 2.0 * N * V * D, cuda,
-        misfit is None, chunks == 1, classes=V,
+        misfit is None, fused_one_chunk(tuning, N, V, dtype.itemsize), classes=V,
     )  # fmt: skip
     reasons = [why] if need else ["no gradient is asked for: the forward alone runs"]
-    size = 0
+    size = chunks = 0
     if algo == "fused":  # (a gradient is asked for: fused_misfit)
-        size = tuning.fused_chunk_bytes
+        size = fused_chunk_bytes(tuning, shape, dtype.itemsize, grads)
+        chunks = fused_chunks(N, V, size, dtype.itemsize)
         rows = fused_chunk_rows(N, V, size, dtype.itemsize)
         q = rows * fused_padded_classes(V) * dtype.itemsize / 2**20
+        sized = (
+            "Tuning.fused_chunk_bytes"
+            if tuning.fused_chunk_bytes is not None
+            else f"the memory target: {FUSED_MEMORY_SHARE:.0%} of the gradients + "
+            f"{FUSED_MEMORY_BYTES // 10**6} MB, at most {FUSED_MAX_CHUNK_BYTES >> 20} MiB"
+        )
         reasons.append(
             f"gradients formed in the forward by row chunks: three matmul passes; {chunks} chunk(s) of "
-            f"{rows} rows, {q:.3g} MiB of q (Tuning.fused_chunk_bytes)"
+            f"{rows} rows, {q:.3g} MiB of q ({sized})"
         )
         if need_dc and fused_dc16(chunks, dtype):
             reasons.append(
                 f"more than {FUSED_DIRECT_CHUNKS} chunks: dC sums them in its own storage in scaled fp16"
             )
     else:
-        chunks = 0
         if need and algo == "exact":
             reasons.append(f"not the fused path ({misfit}): four matmul passes")
     eps = filter_eps if algo == "sparse" else 0.0

@@ -127,10 +127,14 @@ class Tuning:
             (cce/ops/linear_ce/kernels/fused_grads.py). The backward then only scales them; a
             gradient through the returned lse costs one more exact pass.
         fused_chunk_bytes: bytes of the fused path's chunk of per-logit values in the operands'
-            dtype (rows in balanced chunks): its extra memory, flat in N. Any number of chunks:
-            up to 8 dC accumulates in c's dtype (one rounding per chunk), past that in its own
-            storage as scaled fp16 (cce/_dispatch.py, FUSED_DIRECT_CHUNKS). Smaller chunks take
-            less memory and more time (more chunks: dC is read and written once per chunk).
+            dtype (rows in balanced chunks): its extra memory, flat in N. None: sized so that
+            the step holds at most 5% of its gradients plus 256 MB beyond them, at most 512 MiB
+            (cce/_dispatch.py, fused_chunk_bytes), which took 3-25% more time per step than
+            512 MiB on an H200 (docs/benchmarks.md, "The fused chunk against the memory
+            target"). Any number of chunks: up to 8 dC accumulates in c's dtype (one rounding
+            per chunk), past that in its own storage as scaled fp16 (FUSED_DIRECT_CHUNKS).
+            Smaller chunks take less memory and more time (more chunks: dC is read and written
+            once per chunk, and the products are smaller).
     """
 
     backward: Backward = "auto"
@@ -150,7 +154,7 @@ class Tuning:
     sparse_min_flops: float | None = None
     sparse_min_classes: int | None = None
     fused: bool = True
-    fused_chunk_bytes: int = 1 << 29
+    fused_chunk_bytes: int | None = 1 << 29
 
     def __post_init__(self) -> None:
         if self.backward not in BACKWARDS:
@@ -161,7 +165,7 @@ class Tuning:
         _check_positive_int("stash_move_bytes", self.stash_move_bytes)
         _check_positive_int("dc_scratch_tiles", self.dc_scratch_tiles, allow_none=True)
         _check_positive_int("dense_slab_bytes", self.dense_slab_bytes)
-        _check_positive_int("fused_chunk_bytes", self.fused_chunk_bytes)
+        _check_positive_int("fused_chunk_bytes", self.fused_chunk_bytes, allow_none=True)
         for name in ("dense_slabs", "first_order", "host_gating", "fused"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -9,6 +9,7 @@ import torch
 
 import cce
 import cce.ops.linear_ce.torch_impl as tim
+from cce._dispatch import fused_chunk_bytes
 from tests.helpers import make_linear_inputs
 
 pytest.importorskip("triton")
@@ -22,6 +23,7 @@ CASES = [
     ({"filter_eps": 0.01}, {}, "ec"),
     ({"filter_eps": 2.0**-12}, {}, "ec"),
     ({"filter_eps": 0.01, "reduction": "sum"}, {"fused_chunk_bytes": 1 << 30}, "c"),
+    ({"filter_eps": None, "shift": True}, {"fused_chunk_bytes": None}, "ec"),
     ({"filter_eps": 0.01}, {"sparse_min_flops": 1e30}, "ec"),
     ({"filter_eps": 0.01, "bias": True}, {}, "ecb"),
     ({"filter_eps": 0.01, "softcap": 5.0, "label_smoothing": 0.1}, {"fused": False}, "e"),
@@ -70,7 +72,13 @@ def test_explain_triton_matches_the_path_taken(opts, tuning, grads, monkeypatch)
     if plan.backward == "fused":
         # the chunk the op runs is the plan's (cce.Tuning's fused_chunk_bytes)
         assert first == ("fused", plan.chunk_bytes) and plan.filter_eps == 0 and plan.chunks >= 1
-        assert plan.chunk_bytes == cce.Tuning(**tuning).fused_chunk_bytes
+        size = cce.Tuning(**tuning).fused_chunk_bytes
+        if size is None:  # sized to the memory target (cce/_dispatch.py, fused_chunk_bytes)
+            n, (V, D) = t.numel() - 2 * opts.get("shift", False), c.shape
+            grads = (e.requires_grad, c.requires_grad, False)
+            size = fused_chunk_bytes(cce.Tuning(**tuning), (n, V, D), 4, grads)
+            assert any("the memory target" in r for r in plan.reasons), plan
+        assert plan.chunk_bytes == size
         assert any(f"{plan.chunks} chunk(s) of" in r for r in plan.reasons), plan
     else:
         assert first[0] == "fwd" and plan.chunks == 0 and plan.chunk_bytes == 0

@@ -20,7 +20,7 @@ import torch
 
 from bench.data import make_inputs
 from bench.reference import linear_reference, rel_l2
-from cce import Tuning, linear_cross_entropy
+from cce import linear_cross_entropy
 from tests.helpers import captured_step, skip_rate, tuned
 
 pytestmark = pytest.mark.gpu
@@ -132,7 +132,7 @@ def test_fused_path_odd_v_several_chunks(regime, D, chunks, monkeypatch):
     bias = (torch.randn(V, device="cuda") * 0.5).to(BF)
     ref_loss, ref_dE, ref_dC = _ref(e, c, t, bias=bias, softcap=15.0)
     budget = 2 * 50272 * -(-N // chunks)  # rows of 50272 padded bf16 classes per chunk
-    assert fused_chunks(Tuning(fused_chunk_bytes=budget), N, V, 2) == chunks
+    assert fused_chunks(N, V, budget, 2) == chunks
     assert fused_dc16(chunks, BF) == (chunks > FUSED_DIRECT_CHUNKS)
     fused = tuned(fused_chunk_bytes=budget)
     loss, dE, dC, db = _run(e, c, t, bias, fn=fused, softcap=15.0, filter_eps=None)
@@ -314,6 +314,28 @@ def test_training_step_memory_flat_in_n(dense_slabs):
         del e, c, t
     per_token = (excess[16384] - excess[2048]) / (16384 - 2048)
     assert per_token < 400, (excess, per_token)
+
+
+@pytest.mark.parametrize("N,D,V", [(16384, 768, 32768), (4096, 2048, 128256), (1024, 256, 100003)])
+def test_fused_step_memory_target(N, D, V):
+    """The exact step on the fused path with its chunk sized to the memory target
+    (Tuning(fused_chunk_bytes=None)) holds at most 5% of its gradients plus 256 MB beyond them at
+    its peak, above the inputs (cce/_dispatch.py, fused_chunk_bytes): a small head over several
+    chunks, a large vocabulary in chunks of a few hundred rows, an odd V in one chunk."""
+    fn = tuned(fused_chunk_bytes=None)
+    e, c, t = make_inputs(N, D, V, "zipf", dtype=BF, device="cuda", seed=5)
+    e.requires_grad_()
+    c.requires_grad_()
+    grads = (e.numel() + c.numel()) * e.element_size()
+    fn(e, c, t, filter_eps=None).backward()  # warm-up: kernels, cuBLAS workspaces
+    e.grad = c.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(e, c, t, filter_eps=None).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= 1.05 * grads + 256e6, (peak / 2**20, grads / 2**20)
 
 
 @pytest.mark.parametrize("need", ["both", "de", "dc"])

@@ -244,10 +244,11 @@ def test_fused_dispatch():
         assert plan.backward == "fused", plan
     # Any number of chunks (memory is one chunk: 16 rows of 16000 fp32 logits per MiB); past
     # FUSED_DIRECT_CHUNKS chunks dC sums them in scaled fp16 with 16-bit operands, in itself with fp32.
-    Tb = Tuning(fused_chunk_bytes=1 << 20)
-    assert fused_chunks(Tb, 16, 16000) == 1 and fused_chunks(Tb, 17, 16000) == 2
-    assert fused_chunks(Tb, 16 * FUSED_DIRECT_CHUNKS, 16000) == FUSED_DIRECT_CHUNKS
-    assert fused_chunks(Tb, 1 << 16, 16000, 2) == 2048
+    MiB = 1 << 20
+    Tb = Tuning(fused_chunk_bytes=MiB)
+    assert fused_chunks(16, 16000, MiB) == 1 and fused_chunks(17, 16000, MiB) == 2
+    assert fused_chunks(16 * FUSED_DIRECT_CHUNKS, 16000, MiB) == FUSED_DIRECT_CHUNKS
+    assert fused_chunks(1 << 16, 16000, MiB, 2) == 2048
     for dt in (f32, bf16):
         assert fused_fits(Tb, "mean", dt, True)
     assert not fused_dc16(FUSED_DIRECT_CHUNKS, bf16) and fused_dc16(FUSED_DIRECT_CHUNKS + 1, bf16)
@@ -264,7 +265,7 @@ def test_fused_dispatch():
     assert not says_fp16(limit + 1, bf16, need_dc=False) and not says_fp16(1 << 12, f32)
     # Balanced chunks: 33 rows at 16 per chunk are 3 chunks of 11; q in bf16 holds twice the rows.
     assert fused_chunk_rows(33, 16000, 1 << 20) == 11
-    assert fused_chunk_rows(33, 16000, 1 << 20, 2) == 17 and fused_chunks(Tb, 33, 16000, 2) == 2
+    assert fused_chunk_rows(33, 16000, 1 << 20, 2) == 17 and fused_chunks(33, 16000, MiB, 2) == 2
     # The backward choice: "fused" wherever "exact" would be.
     args = (True, True, False, 0.0, 0.0)
     assert linear_backward(T, 0.0, *args, 1e20, True, True) == "fused"
@@ -277,6 +278,46 @@ def test_fused_dispatch():
     assert linear_backward(Tuning(sparse_min_flops=3e12), 1 / 256, *args, 1e20, True, True, True) == "sparse"
     assert linear_backward(Tuning(backward="sparse"), 1 / 256, *args, 1e20, True, True, True) == "sparse"
     assert fused_one_chunk(T, 2048, 128256, 2) and not fused_one_chunk(T, 8192, 128256, 2)
+
+
+@settings(SETTINGS, max_examples=examples(60, 30))
+@given(
+    N=st.integers(1, 1 << 17),
+    V=st.integers(1, 300000),
+    D=st.integers(1, 16384),
+    itemsize=st.sampled_from([2, 4]),
+    grads=st.tuples(st.booleans(), st.booleans(), st.booleans()).filter(any),
+)
+def test_fused_chunk_memory_target(N, V, D, itemsize, grads):
+    """The chunk sized to the memory target (Tuning.fused_chunk_bytes None) keeps the fused
+    step's memory beyond its gradients within 5% of them plus 256 MB by its own accounting (per
+    chunk row: q, fp32 dE, the gathered row of e, the running maxima; a margin and bytes per
+    problem row), with the most rows that do (or one), at most FUSED_MAX_CHUNK_BYTES of q; a set
+    size is taken as it is."""
+    from cce._dispatch import (
+        FUSED_MAX_CHUNK_BYTES,
+        FUSED_MEMORY_MARGIN,
+        FUSED_ROW_BYTES,
+        fused_chunk_bytes,
+        fused_padded_classes,
+    )
+
+    need_de, need_dc, need_db = grads
+    size = fused_chunk_bytes(Tuning(fused_chunk_bytes=None), (N, V, D), itemsize, grads)
+    q_row = itemsize * fused_padded_classes(V)
+    assert size % q_row == 0 or size == FUSED_MAX_CHUNK_BYTES
+    assert q_row <= size <= max(q_row, FUSED_MAX_CHUNK_BYTES) or size == FUSED_MAX_CHUNK_BYTES
+    most = size // q_row  # rows of a chunk at most (balanced chunks may hold fewer)
+    assert fused_chunk_rows(N, V, size, itemsize) <= most
+    per_row = q_row + (4 * need_de + itemsize) * D + 4 * -(-V // 128)
+    gradients = itemsize * D * (N * need_de + V * need_dc) + 4 * V * need_db
+    fixed = FUSED_MEMORY_MARGIN + FUSED_ROW_BYTES * N
+    allowed = 0.05 * gradients + 256e6
+    if most > 1:
+        assert most * per_row + fixed <= allowed
+    if size <= FUSED_MAX_CHUNK_BYTES - q_row:  # the budget, not the cap, bounds it
+        assert (most + 1) * per_row + fixed > allowed
+    assert fused_chunk_bytes(Tuning(fused_chunk_bytes=12345), (N, V, D), itemsize, grads) == 12345
 
 
 @settings(SETTINGS, max_examples=examples(60, 30))
