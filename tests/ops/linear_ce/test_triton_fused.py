@@ -143,9 +143,9 @@ def test_fused_buffers_poisoned(V, monkeypatch):
     bufs = []
     products = fg._chunk_products
 
-    def spy(dz, *a, **k):
-        bufs.append(dz._base.clone())  # dz: the first V columns of the chunk's buffer
-        return products(dz, *a, **k)
+    def spy(b, ec, c, rows, safe_t, s, t, last):
+        bufs.append(b.qbuf[: t - s].clone())  # the chunk's dZ, its pad classes included
+        return products(b, ec, c, rows, safe_t, s, t, last)
 
     monkeypatch.setattr(fg, "_chunk_products", spy)
     fn = tuned(fused_chunk_bytes=4 * 25 * fused_padded_classes(V))
@@ -376,31 +376,34 @@ def test_fused_small_vocabulary_end_to_end():
     assert rel_err(at[0], exact[0]) > 1e-3
 
 
-def test_fused_half_operands_rows():
+@pytest.mark.parametrize("V", [70, 5])
+def test_fused_half_operands_rows(V):
     """16-bit operands (fp16: the interpreter's bf16 is wrong): dE is finished in one pass (the
-    target entries' rounding remainders added in fp32, one rounding) and scattered to the e2d
-    rows read (``rows``; the rows not read stay 0), in two chunks with dC accumulated in fp16,
-    against the same launcher on the fp32 copies of the same values. Tolerance: dZ and the
-    gradients rounded to fp16 (unit roundoff 2^-11), sums over at most 70 classes / 30 rows:
-    5e-3 relative."""
+    target entries' rounding remainders and, at a V off a multiple of 8, the classes past the
+    products' last multiple of 8 added in fp32, one rounding; V = 5: all of them) and scattered
+    to the e2d rows read (``rows``; the rows not read stay 0), in two chunks with dC accumulated
+    in fp16 over its padded classes, against the same launcher on the fp32 copies of the same
+    values (dE's products over every class). Tolerance: dZ and the gradients rounded to fp16
+    (unit roundoff 2^-11), sums over at most 70 classes / 30 rows: 5e-3 relative."""
+    from cce._dispatch import fused_padded_classes
     from cce.ops.linear_ce.kernels.fused_grads import linear_ce_fused
 
     g = torch.Generator().manual_seed(21)
-    M, n, D, V = 40, 30, 24, 70
+    M, n, D = 40, 30, 24
     e = (torch.randn(M, D, generator=g) * 0.5).half()
     c = (torch.randn(V, D, generator=g) * 0.5).half()
     b = (torch.randn(V, generator=g) * 0.5).half()
     rows = torch.randperm(M, generator=g)[:n]
     t = torch.randint(0, V, (n,), generator=g)
     a0 = beta = torch.full((n,), 1.0 / n)
-    rows_per_chunk = 15  # of 80 padded classes: two chunks
+    rows_per_chunk = 15  # two chunks
     outs = [
         linear_ce_fused(x_e, x_c, x_b, None, rows, t, a0, None, beta, None, 0.0, True, True, True, budget)
         for x_e, x_c, x_b in ((e, c, b), (e.float(), c.float(), b.float()))
-        for budget in (x_e.element_size() * 80 * rows_per_chunk,)
+        for budget in (x_e.element_size() * fused_padded_classes(V) * rows_per_chunk,)
     ]
     (lse16, _, _, dE16, dC16, db16, *_), (lse32, _, _, dE32, dC32, db32, *_) = outs
-    assert dE16.dtype == dC16.dtype == torch.float16 and dE16.shape == (M, D)
+    assert dE16.dtype == dC16.dtype == torch.float16 and dE16.shape == (M, D) and dC16.shape == (V, D)
     unread = torch.ones(M, dtype=torch.bool)
     unread[rows] = False
     assert (dE16[unread] == 0).all() and (dE32[unread] == 0).all()

@@ -38,6 +38,7 @@ need softcap'(z) per entry besides q (the dispatcher takes the exact backward th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -201,111 +202,150 @@ def linear_ce_fused(
     if softcap > 0 and gamma is not None:
         raise ValueError("the fused path takes no label smoothing with a softcap")
     N = safe_t.numel()
+    b = _buffers(e2d, c, rows, N, (need_de, need_dc, need_dbias), chunk_bytes)
+    if b.dC is not None and N > 0 and fused_dc16(-(-N // b.n), c.dtype):
+        b.S = dc16_scale(e2d, dz_row_bound(e2d, c, bias, weight, a0, a1, beta, gamma, softcap, temperature))
+    erow = rows if rows is not None else torch.arange(N, device=e2d.device)
+    n_valid: dict[int, torch.Tensor] = {}  # chunk length -> int32 [1] (balanced: two lengths at most)
+    stats = []
+    with device_context(e2d.device):
+        for s in range(0, N, b.n):
+            t = min(N, s + b.n)
+            k = t - s
+            if k not in n_valid:
+                n_valid[k] = torch.full((1,), k, dtype=torch.int32, device=e2d.device)
+            # the chunk's rows of e: a view, or gathered once for the forward's descriptors and
+            # the products
+            ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
+            st = linear_ce_forward(
+                e2d, c, bias, weight, erow[s:t], safe_t[s:t], n_valid[k], softcap, gamma is not None,
+                temperature=temperature, entropy=entropy, argmax=argmax, q=b.qbuf[:k], qm=b.qm[:k],
+                e_rows=ec, all_valid=True,
+            )  # fmt: skip
+            stats.append(st)
+            tiles = dz_split_tiles(k, b.qm.shape[1])
+            _dz_kernel[(k, triton.cdiv(b.qm.shape[1], tiles))](
+                Q=b.qbuf, Qm=b.qm, W=weight, Tgt=safe_t, Zt=st.tgt, Lse=st.lse, A0=a0, A1=a1, Beta=beta,
+                Gamma=gamma, Lo=b.lo, row0=s, V=c.shape[0], n_vtiles=b.qm.shape[1], tiles=tiles,
+                stride_q=b.qbuf.stride(0), th_scale=temperature / softcap if softcap > 0 else 0.0,
+                HAS_SOFTCAP=softcap > 0, BLOCK_V=config(e2d.dtype, "fwd").BLOCK_V,
+                TILES=2 if interpreting() else DZ_TILES, num_warps=DZ_WARPS,
+            )  # fmt: skip
+            _chunk_products(b, ec, c, rows, safe_t, s, t, t == N)
+    if b.dbias is not None and b.lo is not None:
+        b.dbias.index_add_(0, safe_t, b.lo)
+    dC = None if b.dC is None else b.dC[: c.shape[0]]
+    cat = _concat(stats, e2d.device)
+    ssum = cat("ssum") if gamma is not None else None
+    ent = cat("entropy") if entropy else None
+    amx = cat("argmax", torch.long) if argmax else None
+    return FusedOut(cat("lse"), cat("tgt"), ssum, b.dE, dC, b.dbias, ent, amx)
+
+
+@dataclass
+class _Bufs:
+    """The fused path's buffers: ``n`` rows per chunk; the target remainders ``lo`` (16-bit
+    operands); dbias (fp32); dC in c's dtype, its rows padded to 8 classes where V is not (the
+    products over the padded classes are aligned; dC is its first V rows) and where S (dc16's
+    scale) is set summed in scaled fp16 instead (V rows); the chunk's q / dZ ``qbuf`` (rows padded
+    to fused_padded_classes) and running maxima ``qm``; dE and the chunk's fp32 dE rows ``de_buf``
+    (None: the product accumulates in dE itself); ``tail``: dE's products stop at the last multiple
+    of 8 classes and _finish_de_kernel adds the rest (an odd V with 16-bit operands)."""
+
+    n: int
+    lo: torch.Tensor | None
+    dbias: torch.Tensor | None
+    dC: torch.Tensor | None
+    qbuf: torch.Tensor
+    qm: torch.Tensor
+    dE: torch.Tensor | None
+    de_buf: torch.Tensor | None
+    tail: bool
+    S: torch.Tensor | None = None
+
+
+def _buffers(
+    e2d: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None, N: int, grads: tuple[bool, bool, bool],
+    chunk_bytes: int,
+) -> _Bufs:  # fmt: skip
+    """The fused path's buffers (_Bufs) for N problem rows and ``grads`` (dE, dC, dbias asked for)."""
+    need_de, need_dc, need_dbias = grads
     V, D = c.shape
-    M = e2d.shape[0]
     dev, f32 = e2d.device, torch.float32
-    half = e2d.dtype != f32
-    lo = torch.empty(N, dtype=f32, device=dev) if (half and (need_de or need_dbias)) else None
-    dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
+    lo = torch.empty(N, dtype=f32, device=dev) if (e2d.dtype != f32 and (need_de or need_dbias)) else None
     n = fused_chunk_rows(N, V, chunk_bytes, e2d.element_size())
-    chunks = -(-N // n)
+    rows_q = min(n, N)
     # dC: written by the first chunk, accumulated by the next ones in its own storage (cuBLAS in
     # c's dtype, or scaled fp16 past FUSED_DIRECT_CHUNKS chunks: cce._dispatch.fused_dc16).
-    dC = S = None
+    dC = None
     if need_dc:
-        dC = (torch.zeros if N == 0 else torch.empty)((V, D), dtype=c.dtype, device=dev)
-        if N > 0 and fused_dc16(chunks, c.dtype):
-            S = dc16_scale(e2d, dz_row_bound(e2d, c, bias, weight, a0, a1, beta, gamma, softcap, temperature))
-    BV = config(e2d.dtype, "fwd").BLOCK_V
-    n_vt = triton.cdiv(V, BV)
+        V8 = V if fused_dc16(-(-N // n), c.dtype) else -(-V // 8) * 8
+        dC = (torch.zeros if N == 0 else torch.empty)((V8, D), dtype=c.dtype, device=dev)
     # The pad classes [V, Vp): q and dZ are 0 there (written so that the forward's stores and
-    # _dz_kernel's loads and stores stay vectorized at an odd V); the products read the first V.
-    qbuf = torch.empty((min(n, N), fused_padded_classes(V)), dtype=e2d.dtype, device=dev)
-    qm = torch.empty((min(n, N), n_vt), dtype=f32, device=dev)
+    # _dz_kernel's loads and stores stay vectorized at an odd V, and read by dC's padded product).
+    qbuf = torch.empty((rows_q, fused_padded_classes(V)), dtype=e2d.dtype, device=dev)
+    qm = torch.empty((rows_q, triton.cdiv(V, config(e2d.dtype, "fwd").BLOCK_V)), dtype=f32, device=dev)
     # dE: each chunk's rows are complete after its product (the whole vocabulary is in the
     # chunk), so they are accumulated in a chunk-sized fp32 buffer and finished into dE right
     # away (the target remainders added, one rounding): no fp32 [N, D] buffer.
     dE = de_buf = None
     if need_de:
         direct = lo is None and rows is None  # fp32 operands: the product accumulates in dE itself
-        dE = (torch.empty if rows is None else torch.zeros)((M, D), dtype=e2d.dtype, device=dev)
-        de_buf = None if direct else torch.empty((min(n, N), D), dtype=f32, device=dev)
-    erow = rows if rows is not None else torch.arange(N, device=dev)
-    n_valid: dict[int, torch.Tensor] = {}  # chunk length -> int32 [1] (balanced: two lengths at most)
-    stats = []
-    with device_context(dev):
-        for s in range(0, N, n):
-            t = min(N, s + n)
-            k = t - s
-            if k not in n_valid:
-                n_valid[k] = torch.full((1,), k, dtype=torch.int32, device=dev)
-            # the chunk's rows of e: a view, or gathered once for the forward's descriptors and
-            # the products
-            ec = e2d[s:t] if rows is None else e2d.index_select(0, rows[s:t])
-            st = linear_ce_forward(
-                e2d, c, bias, weight, erow[s:t], safe_t[s:t], n_valid[k], softcap, gamma is not None,
-                temperature=temperature, entropy=entropy, argmax=argmax, q=qbuf[:k], qm=qm[:k],
-                e_rows=ec, all_valid=True,
-            )  # fmt: skip
-            stats.append(st)
-            tiles = dz_split_tiles(k, n_vt)
-            _dz_kernel[(k, triton.cdiv(n_vt, tiles))](
-                Q=qbuf, Qm=qm, W=weight, Tgt=safe_t, Zt=st.tgt, Lse=st.lse, A0=a0, A1=a1, Beta=beta,
-                Gamma=gamma, Lo=lo, row0=s, V=V, n_vtiles=n_vt, tiles=tiles, stride_q=qbuf.stride(0),
-                th_scale=temperature / softcap if softcap > 0 else 0.0, HAS_SOFTCAP=softcap > 0,
-                BLOCK_V=BV, TILES=2 if interpreting() else DZ_TILES, num_warps=DZ_WARPS,
-            )  # fmt: skip
-            _chunk_products(qbuf[:k, :V], ec, c, rows, safe_t, lo, s, t, dE, de_buf, dC, dbias, S, t == N)
-    if dbias is not None and lo is not None:
-        dbias.index_add_(0, safe_t, lo)
+        dE = (torch.empty if rows is None else torch.zeros)((e2d.shape[0], D), dtype=e2d.dtype, device=dev)
+        de_buf = None if direct else torch.empty((rows_q, D), dtype=f32, device=dev)
+    dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
+    return _Bufs(n, lo, dbias, dC, qbuf, qm, dE, de_buf, tail=need_de and lo is not None and V % 8 != 0)
 
-    def cat(name: str, dtype: torch.dtype = f32) -> torch.Tensor:
-        # a statistic of all rows from the chunks' (one chunk: as it is)
+
+def _concat(stats: list, device: torch.device):
+    """cat(name, dtype): a statistic of all rows from the chunks' (one chunk: as it is)."""
+
+    def cat(name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         parts = [getattr(x, name) for x in stats]
         if len(parts) == 1:
             return parts[0]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=dev)
+        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
 
-    ssum = cat("ssum") if gamma is not None else None
-    ent = cat("entropy") if entropy else None
-    amx = cat("argmax", torch.long) if argmax else None
-    return FusedOut(cat("lse"), cat("tgt"), ssum, dE, dC, dbias, ent, amx)
+    return cat
 
 
 def _chunk_products(
-    dz: torch.Tensor, ec: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None, safe_t: torch.Tensor,
-    lo: torch.Tensor | None, s: int, t: int, dE: torch.Tensor | None, de_buf: torch.Tensor | None,
-    dC: torch.Tensor | None, dbias: torch.Tensor | None, S: torch.Tensor | None, last: bool,
+    b: _Bufs, ec: torch.Tensor, c: torch.Tensor, rows: torch.Tensor | None, safe_t: torch.Tensor, s: int,
+    t: int, last: bool,
 ) -> None:  # fmt: skip
     """The products of the chunk of problem rows [s, t) (their rows of e: ``ec``) from its dZ
-    [t - s, V]: dbias += its column sums; dE's rows (in ``de_buf``'s fp32 rows, then finished
-    into dE with the target remainders ``lo``; de_buf None: in dE itself); dC written (first
-    chunk) or accumulated (by cuBLAS in its dtype, or with ``S`` in scaled fp16 until the
-    ``last`` chunk)."""
-    if dbias is not None:
-        dbias += torch.sum(dz, 0, dtype=torch.float32)
-    dE_c = None
-    if dE is not None:
-        dE_c = dE[s:t] if de_buf is None else de_buf[: t - s]  # (written by the first part)
-    if S is not None:
-        dc_accumulate(dz, ec.contiguous(), dC, S, first=s == 0, last=last)
-    for k0, k1 in aligned_parts(c.shape[0]):
-        dc = None if S is not None else dC
-        if dE_c is not None or dc is not None:
-            slab_products(
-                dz[:, k0:k1], c[k0:k1], ec, dE_c, dc, k0, None, accumulate_dc=s > 0, accumulate_de=k0 > 0
-            )  # fmt: skip
-    if de_buf is not None:
+    in b.qbuf: dbias += its column sums; dE's rows (in b.de_buf's fp32 rows, then finished into
+    dE with the target remainders; de_buf None: in dE itself); dC written (first chunk) or
+    accumulated (by cuBLAS in its dtype over its padded classes, or with b.S in scaled fp16 until
+    the ``last`` chunk)."""
+    k, V = t - s, c.shape[0]
+    dz = b.qbuf[:k, :V]
+    if b.dbias is not None:
+        b.dbias += torch.sum(dz, 0, dtype=torch.float32)
+    if b.S is not None:
+        dc_accumulate(dz, ec.contiguous(), b.dC, b.S, first=s == 0, last=last)
+    elif b.dC is not None:  # (one product: the pad classes' dZ columns are 0)
+        slab_products(b.qbuf[:k, : b.dC.shape[0]], None, ec, None, b.dC, 0, None, accumulate_dc=s > 0)
+    if b.dE is None:
+        return
+    dE_c = b.dE[s:t] if b.de_buf is None else b.de_buf[:k]
+    cols = V - V % 8 if b.tail else V
+    if cols == 0:  # (V < 8: _finish_de_kernel adds every class)
+        dE_c.zero_()
+    for k0, k1 in aligned_parts(cols) if cols else ():  # (the first part writes dE_c)
+        slab_products(dz[:, k0:k1], c[k0:k1], ec, dE_c, None, k0, None, accumulate_de=k0 > 0)
+    if b.de_buf is not None:
         r = None if rows is None else rows[s:t]
-        if lo is not None:
-            _finish_de(dE_c, lo[s:t], c, safe_t[s:t], r, s, dE)
+        if b.lo is not None:
+            _finish_de(dE_c, b.lo[s:t], c, safe_t[s:t], r, s, b.dE, dz, cols)
         else:
-            dE.index_copy_(0, r, dE_c)
+            b.dE.index_copy_(0, r, dE_c)
 
 
-# out[rows[i]] = round(dE_i + lo_i c[t_i]) (rows None: out[row0 + i]) for the rows i of one
-# chunk: the target entries' rounding remainders added in fp32 and dE rounded to the operands'
-# dtype, in one pass over the chunk's fp32 dE.
+# out[rows[i]] = round(dE_i + lo_i c[t_i] + sum_{v in [v0, V)} dz_iv c_v) (rows None: out[row0 +
+# i]) for the rows i of one chunk: the target entries' rounding remainders and the classes past
+# the products' last multiple of 8 (TAIL = V - v0 <= 7 of them at an odd V, else 0) added in fp32
+# and dE rounded to the operands' dtype, in one pass over the chunk's fp32 dE.
 @cached_launch
 @triton.heuristics({"HAS_ROWS": lambda a: a["Rows"] is not None})
 @triton.jit
@@ -316,8 +356,9 @@ def _finish_de_kernel(
     Tgt,  # [n] int64 (a valid class at every row)
     Rows,  # [n] int64 output row of each chunk row, or None (then row0 + i)
     Out,  # [M, D] operands' dtype, contiguous
-    row0, D, stride_c,
-    HAS_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    Dz,  # [n, >= V] the chunk's dZ (operands' dtype): its classes [v0, v0 + TAIL) are read
+    row0, D, stride_c, stride_dz, v0,
+    HAS_ROWS: tl.constexpr, TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0).to(tl.int64)
     t = tl.load(Tgt + i).to(tl.int64)
@@ -328,17 +369,22 @@ def _finish_de_kernel(
         m = (d0 + offs) < D
         x = tl.load(DE + i * D + d0 + offs, mask=m, other=0.0)  # [BLOCK_D]
         x += lo * tl.load(C + t * stride_c + d0 + offs, mask=m, other=0.0).to(tl.float32)
+        for j in tl.static_range(TAIL):
+            v = v0 + j
+            dz = tl.load(Dz + i * stride_dz + v).to(tl.float32)
+            x += dz * tl.load(C + v * stride_c + d0 + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(Out + r * D + d0 + offs, x.to(Out.dtype.element_ty), mask=m)
 
 
-def _finish_de(dE, lo, c, safe_t, rows, row0: int, out: torch.Tensor) -> None:
-    """out[rows or row0 + i] = round(dE_i + lo_i c[t_i]) for the chunk rows i of dE (fp32)."""
+def _finish_de(dE, lo, c, safe_t, rows, row0: int, out: torch.Tensor, dz: torch.Tensor, v0: int) -> None:
+    """out[rows or row0 + i] = round(dE_i + lo_i c[t_i] + dz_i[v0:] c[v0:]) for the chunk rows i
+    of dE (fp32), dz's classes from v0 (at most 7) being those the products left out."""
     n, D = dE.shape
     if n:
         BLOCK_D = 32 if interpreting() else min(1024, triton.next_power_of_2(D))
         _finish_de_kernel[(n,)](
-            DE=dE, Lo=lo, C=c, Tgt=safe_t, Rows=rows, Out=out, row0=row0, D=D,
-            stride_c=c.stride(0), BLOCK_D=BLOCK_D, num_warps=4,
+            DE=dE, Lo=lo, C=c, Tgt=safe_t, Rows=rows, Out=out, Dz=dz, row0=row0, D=D, stride_c=c.stride(0),
+            stride_dz=dz.stride(0), v0=v0, TAIL=c.shape[0] - v0, BLOCK_D=BLOCK_D, num_warps=4,
         )  # fmt: skip
 
 
