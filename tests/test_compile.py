@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) over cce's entry points (CPU, impl="torch").
+"""torch.compile(fullgraph=True) over cce's entry points (CPU: impl="torch", and impl="triton" in the
+Triton interpreter).
 
 ``fullgraph=True`` turns any graph break into an error, so tracing at all is the first check; the
 second is that the compiled function gives the eager results. The compiled graph calls the same
@@ -63,6 +64,26 @@ def test_linear_cross_entropy_compiles_fullgraph(case):
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     ref = loss_and_grads(fn, e, c, t, b, generator=torch.Generator().manual_seed(1), **opts)
     got = loss_and_grads(compiled, e, c, t, b, generator=torch.Generator().manual_seed(1), **opts)
+    _compare(got, ref)
+
+
+@pytest.mark.parametrize("opts", [dict(filter_eps=None), dict(filter_eps=None, shift=True, reduction="sum")])
+def test_triton_fused_path_compiles_fullgraph(opts):
+    """impl="triton" (the Triton interpreter) on its fused exact path under torch.compile: the
+    custom ops trace (their fakes) and give eager's results at a V off a multiple of 8, where dC
+    is returned as the first V rows of storage padded to 8 classes (kernels/fused_grads.py), and
+    with the rows read by index (shift)."""
+    V, D = 37, 16
+    e, c, t, b = make_linear_inputs((2, 12), D, V, scale=3.0)
+
+    def fn(e, c, t, b, **kw):
+        return cce.linear_cross_entropy(e, c, t, b, impl="triton", **kw)
+
+    plan = cce.explain(e, c, t, impl="triton", **opts)
+    assert plan.backward == "fused", plan
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    ref = loss_and_grads(fn, e, c, t, b, generator=torch.Generator().manual_seed(2), **opts)
+    got = loss_and_grads(compiled, e, c, t, b, generator=torch.Generator().manual_seed(2), **opts)
     _compare(got, ref)
 
 
