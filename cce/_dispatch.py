@@ -282,14 +282,14 @@ def fused_chunks(N: int, V: int, chunk_bytes: int, itemsize: int = 4) -> int:
 
 # The fused path's chunk is Tuning.fused_chunk_bytes (512 MiB by default) or, where that is None,
 # sized so that the step holds at most FUSED_MEMORY_SHARE of its gradients plus FUSED_MEMORY_BYTES
-# beyond them (per chunk row its
-# q, fp32 dE row, row of e gathered (with shift) and tiles' running maxima; FUSED_MEMORY_MARGIN for
-# the forward's partial statistics and the like, FUSED_ROW_BYTES per problem row for the O(N)
-# vectors: targets, coefficients, statistics), at most FUSED_MAX_CHUNK_BYTES of q. Smaller
-# chunks cost time: dC is read and written once more per chunk (4 V D bytes), past
-# FUSED_DIRECT_CHUNKS chunks by the slower fp16-sum product, the products are smaller and each
-# chunk costs its launches: 3-25% more per step than 512 MiB chunks on an H200
-# (docs/benchmarks.md, "The fused chunk against the memory target"), so it is not the default.
+# beyond them (per chunk row its q, fp32 dE row, row of e gathered (with shift) and tiles' running
+# maxima; FUSED_MEMORY_MARGIN for the forward's partial statistics and the like, FUSED_ROW_BYTES
+# per problem row for the O(N) vectors: targets, coefficients, statistics), at most
+# FUSED_MAX_CHUNK_BYTES of q. Smaller chunks cost time: dC is read and written once more per
+# chunk (4 V D bytes), past FUSED_DIRECT_CHUNKS chunks by the slower fp16-sum product, the
+# products are smaller and each chunk costs its launches: 3-25% more per step than 512 MiB chunks
+# on an H200 (docs/benchmarks.md, "The fused chunk against the memory target"), so it is not the
+# default.
 FUSED_MEMORY_SHARE = 0.05
 FUSED_MEMORY_BYTES = 256 * 10**6
 FUSED_MEMORY_MARGIN = 8 << 20

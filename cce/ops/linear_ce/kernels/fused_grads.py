@@ -203,7 +203,7 @@ def linear_ce_fused(
         raise ValueError("the fused path takes no label smoothing with a softcap")
     N = safe_t.numel()
     b = _buffers(e2d, c, rows, N, (need_de, need_dc, need_dbias), chunk_bytes)
-    if b.dC is not None and N > 0 and fused_dc16(-(-N // b.n), c.dtype):
+    if b.dc16 and N > 0:
         b.S = dc16_scale(e2d, dz_row_bound(e2d, c, bias, weight, a0, a1, beta, gamma, softcap, temperature))
     erow = rows if rows is not None else torch.arange(N, device=e2d.device)
     n_valid: dict[int, torch.Tensor] = {}  # chunk length -> int32 [1] (balanced: two lengths at most)
@@ -228,7 +228,7 @@ def linear_ce_fused(
                 Q=b.qbuf, Qm=b.qm, W=weight, Tgt=safe_t, Zt=st.tgt, Lse=st.lse, A0=a0, A1=a1, Beta=beta,
                 Gamma=gamma, Lo=b.lo, row0=s, V=c.shape[0], n_vtiles=b.qm.shape[1], tiles=tiles,
                 stride_q=b.qbuf.stride(0), th_scale=temperature / softcap if softcap > 0 else 0.0,
-                HAS_SOFTCAP=softcap > 0, BLOCK_V=config(e2d.dtype, "fwd").BLOCK_V,
+                HAS_SOFTCAP=softcap > 0, BLOCK_V=b.block_v,
                 TILES=2 if interpreting() else DZ_TILES, num_warps=DZ_WARPS,
             )  # fmt: skip
             _chunk_products(b, ec, c, rows, safe_t, s, t, t == N)
@@ -246,13 +246,16 @@ def linear_ce_fused(
 class _Bufs:
     """The fused path's buffers: ``n`` rows per chunk; the target remainders ``lo`` (16-bit
     operands); dbias (fp32); dC in c's dtype, its rows padded to 8 classes where V is not (the
-    products over the padded classes are aligned; dC is its first V rows) and where S (dc16's
-    scale) is set summed in scaled fp16 instead (V rows); the chunk's q / dZ ``qbuf`` (rows padded
-    to fused_padded_classes) and running maxima ``qm``; dE and the chunk's fp32 dE rows ``de_buf``
-    (None: the product accumulates in dE itself); ``tail``: dE's products stop at the last multiple
-    of 8 classes and _finish_de_kernel adds the rest (an odd V with 16-bit operands)."""
+    products over the padded classes are aligned; dC is its first V rows), or with ``dc16``
+    (fused_dc16) summed in scaled fp16 instead (V rows; S, dc16's scale, set by the caller); the
+    chunk's q / dZ ``qbuf`` (rows padded to fused_padded_classes) and running maxima ``qm`` (per
+    forward tile of ``block_v`` classes); dE and the chunk's fp32 dE rows ``de_buf`` (None: the
+    product accumulates in dE itself); ``tail``: dE's products stop at the last multiple of 8
+    classes and _finish_de_kernel adds the rest (an odd V with 16-bit operands)."""
 
     n: int
+    block_v: int
+    dc16: bool
     lo: torch.Tensor | None
     dbias: torch.Tensor | None
     dC: torch.Tensor | None
@@ -275,16 +278,18 @@ def _buffers(
     lo = torch.empty(N, dtype=f32, device=dev) if (e2d.dtype != f32 and (need_de or need_dbias)) else None
     n = fused_chunk_rows(N, V, chunk_bytes, e2d.element_size())
     rows_q = min(n, N)
+    block_v = config(e2d.dtype, "fwd").BLOCK_V
     # dC: written by the first chunk, accumulated by the next ones in its own storage (cuBLAS in
     # c's dtype, or scaled fp16 past FUSED_DIRECT_CHUNKS chunks: cce._dispatch.fused_dc16).
+    dc16 = need_dc and fused_dc16(-(-N // n), c.dtype)
     dC = None
     if need_dc:
-        V8 = V if fused_dc16(-(-N // n), c.dtype) else -(-V // 8) * 8
+        V8 = V if dc16 else -(-V // 8) * 8
         dC = (torch.zeros if N == 0 else torch.empty)((V8, D), dtype=c.dtype, device=dev)
     # The pad classes [V, Vp): q and dZ are 0 there (written so that the forward's stores and
     # _dz_kernel's loads and stores stay vectorized at an odd V, and read by dC's padded product).
     qbuf = torch.empty((rows_q, fused_padded_classes(V)), dtype=e2d.dtype, device=dev)
-    qm = torch.empty((rows_q, triton.cdiv(V, config(e2d.dtype, "fwd").BLOCK_V)), dtype=f32, device=dev)
+    qm = torch.empty((rows_q, triton.cdiv(V, block_v)), dtype=f32, device=dev)
     # dE: each chunk's rows are complete after its product (the whole vocabulary is in the
     # chunk), so they are accumulated in a chunk-sized fp32 buffer and finished into dE right
     # away (the target remainders added, one rounding): no fp32 [N, D] buffer.
@@ -294,7 +299,8 @@ def _buffers(
         dE = (torch.empty if rows is None else torch.zeros)((e2d.shape[0], D), dtype=e2d.dtype, device=dev)
         de_buf = None if direct else torch.empty((rows_q, D), dtype=f32, device=dev)
     dbias = torch.zeros(V, dtype=f32, device=dev) if need_dbias else None
-    return _Bufs(n, lo, dbias, dC, qbuf, qm, dE, de_buf, tail=need_de and lo is not None and V % 8 != 0)
+    tail = need_de and lo is not None and V % 8 != 0
+    return _Bufs(n, block_v, dc16, lo, dbias, dC, qbuf, qm, dE, de_buf, tail)
 
 
 def _concat(stats: list, device: torch.device):
