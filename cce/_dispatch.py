@@ -294,7 +294,7 @@ FUSED_MEMORY_SHARE = 0.05
 FUSED_MEMORY_BYTES = 256 * 10**6
 FUSED_MEMORY_MARGIN = 8 << 20
 FUSED_ROW_BYTES = 96
-FUSED_MAX_CHUNK_BYTES = 1 << 29
+FUSED_MAX_CHUNK_BYTES: int = Tuning().fused_chunk_bytes  # the default chunk, 512 MiB
 
 
 def fused_chunk_bytes(
