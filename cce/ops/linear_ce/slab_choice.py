@@ -256,11 +256,11 @@ def slab_errors(
     ok = (pos < n_valid.long()).float() * scale
     vp = vperm.long()
     es = e2d.index_select(0, erow_s.index_select(0, pos))
-    w2, S, SF, x, gx = _sampled_weights(
+    w2, S, SF, x, xs = _sampled_weights(
         es, c, bias, vperm, vp, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap, BLOCK_N, BLOCK_V,
         eta_s, cm, vpos, vscore is not None, logit_scale,
     )  # fmt: skip
-    err, ref, fo, ref_sq = _de_errors(w2, SF, gx, c, vperm, t_s, coef_t, n_valid, pos, ok, BLOCK_V, width)
+    err, ref, fo, ref_sq = _de_errors(w2, SF, xs, c, vperm, t_s, coef_t, n_valid, pos, ok, BLOCK_V, width)
     if vscore is None:
         return SlabErrors(err, ref, fo, ref_sq=ref_sq)
     dc_err, dc_err_fo = dc_error_terms(
@@ -281,25 +281,26 @@ def _sampled_weights(
     eta_s: torch.Tensor | None, cm: torch.Tensor | None, vpos: torch.Tensor | None, keep_x: bool,
     logit_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """(w2, S, SF, x, gx) of slab_errors' k sampled rows (hidden states ``es``, sorted positions
+    """(w2, S, SF, x, xs) of slab_errors' k sampled rows (hidden states ``es``, sorted positions
     ``pos``, scales ``ok``, 0 past n_valid): kernels/slab_rule.sampled_dz's outputs from the rows'
     logits (fp32 [k, V], dropped here), and with ``cm`` the first-order terms' deviations x (fp32
-    [k, V], class order; None unless ``keep_x``: dC's estimates read them) and gx = G e_i (fp32
-    [k, D]); both None without ``cm``. x and gx are times ``logit_scale``, as the logits are."""
+    [k, V], class order; None unless ``keep_x``: dC's estimates read them) and the same in the
+    sorted order, xs (_de_errors forms G e_i = sum_v x_iv c_v from them); both None without
+    ``cm``. x and xs are times ``logit_scale``, as the logits are."""
     z = mm_f32(es, c.T, None)  # [k, V]
-    gx = x = None
+    x = xs = None
+    if logit_scale != 1.0:  # the tempered logits (and so their deviations within the tiles)
+        z.mul_(logit_scale)
     if cm is not None:
-        # G e_i = sum_v x_iv c_v with x_iv = e_i . (c_v - mean(C_j(v))) (class order; bf16
-        # weights where c is bf16: an estimate's accuracy, one cuBLAS pass over C).
+        # x_iv = e_i . (c_v - mean(C_j(v))) (class order), lam x with the temperature
         tile_of = (inverse_permutation(vp) if vpos is None else vpos) // BLOCK_V
-        x = z - mm_f32(es, cm.T.to(es.dtype), None).index_select(1, tile_of)
-        gx = mm_f32(x.to(c.dtype), c, None)  # [k, D]
+        zbar = mm_f32(es, cm.T.to(es.dtype), None)  # [k, n_tiles]
+        if logit_scale != 1.0:
+            zbar.mul_(logit_scale)
+        x = z - zbar.index_select(1, tile_of)
+        xs = x.index_select(1, vp)
         if not keep_x:
             x = None
-    if logit_scale != 1.0:  # the tempered logits and their deviations within the tiles
-        z.mul_(logit_scale)
-        x = None if x is None else x * logit_scale
-        gx = None if gx is None else gx * logit_scale
     # Rows [0, k) of w2: the non-target dZ where the tile is skipped minus the correction
     # alpha_i S'_ij mean(C_j) as weights alpha_i S'_ij / |j| on the tile's classes (the
     # corrections' error weights); rows [k, 2k): the full dZ (the reference). Sorted positions;
@@ -308,21 +309,23 @@ def _sampled_weights(
         z, bias, vperm, pos, ok, alpha_s, beta_s, t_s, lse_s, code, keep, softcap, BLOCK_N, BLOCK_V,
         STATS_STEPS, eta_s,
     )  # fmt: skip
-    return w2, S, SF, x, gx
+    return w2, S, SF, x, xs
 
 
 def _de_errors(
-    w2: torch.Tensor, SF: torch.Tensor, gx: torch.Tensor | None, c: torch.Tensor, vperm: torch.Tensor,
+    w2: torch.Tensor, SF: torch.Tensor, xs: torch.Tensor | None, c: torch.Tensor, vperm: torch.Tensor,
     t_s: torch.Tensor, coef_t: torch.Tensor | None, n_valid: torch.Tensor, pos: torch.Tensor,
     ok: torch.Tensor, BLOCK_V: int, width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """(err, ref, fo, ref_sq) of slab_errors' SlabErrors from _sampled_weights' w2, SF and gx: err
-    and ref from one slab_products pass over C, fo (None without ``gx``) from each slab's share of
-    the first-order weights SF, ref_sq (None without ``coef_t``) from kernels.common.de_norm_sq."""
+    """(err, ref, fo, ref_sq) of slab_errors' SlabErrors from _sampled_weights' w2, SF and xs: err,
+    ref and (with ``xs``) G e_i = sum_v x_iv c_v from one slab_products pass over C (its rows: w2's,
+    then xs's), fo (None without ``xs``) from each slab's share of the first-order weights SF and
+    G e_i, ref_sq (None without ``coef_t``) from kernels.common.de_norm_sq."""
     k, nt = SF.shape
     V = c.shape[0]
-    prod = slab_products(w2, c, vperm, width)  # [n_slabs, 2k, D]
-    err, ref = prod[:, :k], prod[:, k:].sum(0)
+    w = w2 if xs is None else torch.cat([w2, F.pad(xs, (0, w2.shape[1] - xs.shape[1]))])  # (w2: V padded)
+    prod = slab_products(w, c, vperm, width)  # [n_slabs, 2k (+ k), D]
+    err, ref = prod[:, :k], prod[:, k : 2 * k].sum(0)
     ref_sq = None
     if coef_t is not None:
         # The target terms as a control variate, weighted by the sample's regression slope (1
@@ -330,7 +333,8 @@ def _de_errors(
         ref_sq = de_norm_sq(c, t_s, coef_t, n_valid, ref, pos, ok)[0]
     n_slabs = err.shape[0]
     fo = None
-    if gx is not None:
+    if xs is not None:
+        gx = prod[:, 2 * k :].sum(0)  # [k, D]
         per_slab = (
             F.pad(SF, (0, n_slabs * (width // BLOCK_V) - nt)).view(k, n_slabs, -1).sum(2)
         )  # [k, n_slabs]

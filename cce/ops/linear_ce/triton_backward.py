@@ -14,6 +14,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ... import _math
 from ..._dispatch import LinearPlan
@@ -570,7 +571,10 @@ def _dc_inputs(
             S += M * (h * (ls - math.log(BV))) + sl * h
         E_c = e2d.index_select(0, r.erow_s[s:t])
         if use_bf16:
-            part = torch.mm(S.T.to(e2d.dtype), E_c, out_dtype=f32)
+            # S^T's leading dimension padded to 8 tiles: at an odd one (16-byte misaligned rows)
+            # cuBLAS takes a kernel 3x slower (n_tiles = 501: 0.25 against 0.08 ms, H200)
+            S16 = F.pad(S, (0, -nt % 8)).to(e2d.dtype)
+            part = torch.mm(S16.T, E_c, out_dtype=f32)[:nt]
         else:
             part = S.T @ E_c.float()
         G = part if G is None else G.add_(part)

@@ -407,7 +407,7 @@ def test_slab_products_against_float64(V, width, R):
     """slab_products: per slab of ``width`` sorted positions, the rows' weighted sum of the slab's
     classes, also where a slab is split into parts over more programs (V = 12000: slabs of 8192
     positions in parts of 2048, the last slab's fourth part past V), where the last slab is
-    short, and with rows in two blocks (R > SLAB_PRODUCTS_ROWS)."""
+    short, and with rows in two blocks (R > SLAB_PRODUCTS_ROWS_FP32, fp32 weights)."""
     from cce.ops.linear_ce.kernels.dense_slabs import slab_products
 
     g = torch.Generator().manual_seed(V)

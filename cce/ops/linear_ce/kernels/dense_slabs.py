@@ -703,7 +703,7 @@ def _launch_slab_grads(
 @cached_launch
 @triton.jit
 def _slab_products_kernel(
-    W,  # [R, >= V] fp32 per-class weights of R rows, in the sorted order (position p)
+    W,  # [R, >= V] per-class weights of R rows (fp32, or C's bf16), in the sorted order (position p)
     C, Perm,  # [V, D] classifier, [V] class at each sorted position
     Out,  # [n_parts, R, D] fp32
     R, V, D, stride_w, stride_c, width,
@@ -728,7 +728,7 @@ def _slab_products_kernel(
         w = tl.load(W + offs_r[:, None] * stride_w + p[None, :], mask=rmask[:, None] & pm[None, :], other=0.0)
         cc = tl.load(
             C + vid[:, None] * stride_c + offs_do[None, :], mask=pm[:, None] & dmask[None, :], other=0.0
-        ).to(tl.float32)  # [BLOCK_K, BLOCK_DO]
+        ).to(W.dtype.element_ty)  # [BLOCK_K, BLOCK_DO]
         acc = tl.dot(w, cc, acc, input_precision=PRECISION)  # [BLOCK_R, BLOCK_DO]
     out = Out + (s * R + offs_r).to(tl.int64)[:, None] * D + offs_do[None, :]
     tl.store(out, acc, mask=rmask[:, None] & dmask[None, :])
@@ -739,23 +739,34 @@ def _slab_products_kernel(
 # tokens a slab holds up to 64k positions and there are few slabs: one program per slab and D
 # chunk left most SMs idle, each streaming its slab's rows of C alone (H100, V = 256000, D =
 # 2304, 32 rows: 1.13 ms whole, 0.53 ms in parts of 8192). Rows go in blocks of at most
-# SLAB_PRODUCTS_ROWS (a program per block: C is read once per block; 64 rows in one program
-# spilled registers, 3-4x slower than two blocks of 32).
+# SLAB_PRODUCTS_ROWS, C read once per block: with 16-bit weights one block holds the error
+# estimates' 64 to 96 rows (H200, V = 128256, D = 4096: 96 rows in two blocks of fp32 weights and
+# tf32 products 0.99 ms, in one block of bf16 weights 0.54 ms; fp32 weights spilled registers
+# at 64 rows per block).
 SLAB_PRODUCTS_PROGRAMS_PER_SM = 8
 SLAB_PRODUCTS_MIN_PART = 2048
-SLAB_PRODUCTS_ROWS = 32
+SLAB_PRODUCTS_ROWS = 128
+SLAB_PRODUCTS_ROWS_FP32 = 32
 
 
 def slab_products(w: torch.Tensor, c: torch.Tensor, perm: torch.Tensor, width: int) -> torch.Tensor:
     """fp32 [n_slabs, R, D]: for each slab of ``width`` sorted positions, ``w`` (fp32 [R, >= V],
-    sorted positions) restricted to the slab times the slab's classes ``c[perm[...]]``."""
+    sorted positions) restricted to the slab times the slab's classes ``c[perm[...]]`` (with a
+    bf16 ``c`` on the GPU, ``w`` rounded to bf16: an estimate's accuracy)."""
     R = w.shape[0]
     V, D = c.shape
     n_slabs = triton.cdiv(V, width)
     if R == 0 or V == 0 or D == 0:
         return torch.zeros((n_slabs, R, D), dtype=torch.float32, device=c.device)
     small = interpreting()
-    BR = min(max(16, triton.next_power_of_2(R)), SLAB_PRODUCTS_ROWS)
+    # bf16 classifier on the GPU: the weights (formed in fp32) rounded to bf16, an estimate's
+    # accuracy (at most 2^-8 of each weight against tf32's 2^-11; the steps' gradient errors
+    # measured the same to three digits, docs/benchmarks.md), products in bf16; else fp32
+    # weights, tf32 products.
+    half = c.dtype == torch.bfloat16 and c.is_cuda and not small
+    if half:
+        w = w.to(c.dtype)
+    BR = min(max(16, triton.next_power_of_2(R)), SLAB_PRODUCTS_ROWS if half else SLAB_PRODUCTS_ROWS_FP32)
     BK, BDO = (16, 32) if small else (64, 128)
     d_chunks, r_blocks = triton.cdiv(D, BDO), triton.cdiv(R, BR)
     # Parts of a slab: halved while the programs are too few (a part stays a multiple of BK).
@@ -776,7 +787,7 @@ def slab_products(w: torch.Tensor, c: torch.Tensor, perm: torch.Tensor, width: i
     with device_context(c.device):
         _slab_products_kernel[(n_parts, d_chunks, r_blocks)](
             W=w, C=c, Perm=perm, Out=out, R=R, V=V, D=D, stride_w=w.stride(0), stride_c=c.stride(0),
-            width=part, BLOCK_R=BR, BLOCK_K=BK, BLOCK_DO=BDO, PRECISION=prec, num_warps=4,
+            width=part, BLOCK_R=BR, BLOCK_K=BK, BLOCK_DO=BDO, PRECISION=prec, num_warps=8 if BR > 64 else 4,
         )  # fmt: skip
     if parts == 1:
         return out
