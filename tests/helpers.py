@@ -101,7 +101,7 @@ def compare_with_reference(fn, e, c, t, b, *, seed: int = 0, ref_dtype=torch.flo
 UNIT_ROUNDOFF = {
     torch.float64: 2.0**-53,
     torch.float32: 2.0**-24,
-    torch.bfloat16: 2.0**-8 / 2,
+    torch.bfloat16: 2.0**-8,  # 8 significant bits: the ulp at 1.0 is 2^-7
     torch.float16: 2.0**-11,
 }
 

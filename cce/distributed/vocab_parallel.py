@@ -32,9 +32,9 @@ the one device's on the block's softmax p_loc = exp(L - lse_r) = p exp(lse - lse
 CPU only with impl="torch", as on one device): an entry it skips (p_loc < eps) has p < eps too, so
 the skipped set is one the single-device bound covers (a subset of what eps would skip on the
 global softmax, tile by tile in the block's own vocabulary order). Summing k bf16 shares
-costs roundings: each rank rounds its share once (2^-9 relative to the share), and the sum is
+costs roundings: each rank rounds its share once (2^-8 relative to the share), and the sum is
 rounded once per addition (k - 1; NCCL adds in fp32 and rounds to the dtype). At k = 2 dE's
-error is at most 2^-9 (|dE_0| + |dE_1| + |dE|) per entry against 2^-9 |dE| on one device:
+error is at most 2^-8 (|dE_0| + |dE_1| + |dE|) per entry against 2^-8 |dE| on one device:
 about sqrt(3) times one device's rounding (independent roundings), more only where the shares
 cancel (|dE_r| > |dE|). Keeping an fp32 dE for the sum would cost N x D x 4 bytes beyond the
 gradients (128 MiB at llama3-8b's D and N = 8192), against the memory target.

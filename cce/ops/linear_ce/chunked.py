@@ -207,7 +207,7 @@ class ChunkedProblem:
             bt = beta
         # The target entry alpha p_t - beta is added exactly outside P (coefficient tcoef), except
         # with 16-bit operands (off CPU): there it is a cancellation (p_t near 1) that rounding
-        # alpha p_t alone would spoil (2^-9 alpha of error in a small difference; the Triton
+        # alpha p_t alone would spoil (2^-8 alpha of error in a small difference; the Triton
         # kernels' TARGET_LO note measures the effect), so it is formed in fp32 inside P and only
         # its rounding remainder lo_i = dZ_it - round(dZ_it) goes outside. fp16: P is also divided
         # by its largest |entry| (a device scalar, no sync), as alpha p can sit below fp16's normal

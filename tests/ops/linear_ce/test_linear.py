@@ -21,7 +21,7 @@ so every difference is the implementation's own rounding. The CPU implementation
   exactly for V = 1). A logit error moves p relatively by <= 2 logit_err and softcap' by
   <= 2 logit_err / softcap. Bound: ||got - ref||_F <= (u_grad + acc_rel + (4 + 4/softcap)
   logit_err) * || |dZ||C| ||_F, u_grad the unit roundoff of the gradient's storage dtype (one final
-  rounding: bf16 2^-9, fp16 2^-11; fp16 subnormals add 2^-25 per entry). With softcap, the
+  rounding: bf16 2^-8, fp16 2^-11; fp16 subnormals add 2^-25 per entry). With softcap, the
   derivative 1 - tanh^2 computed from a rounded tanh is off by <= 3 u absolutely: add 3 u times
   the same norm computed without the softcap' factor.
 * filtering (filter_eps > 0) adds the proven bound of helpers.filter_error_bounds.

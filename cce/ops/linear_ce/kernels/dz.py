@@ -7,7 +7,7 @@ subtracting beta exactly outside would turn the cancellation alpha p_it - beta (
 into a large relative error of dC (docs/design.md, "Where rounding goes").
 
 TARGET_LO (bf16 / fp16 operands): the target entry dZ_it is the one entry whose rounding error is
-not averaged away (it carries the -beta term; rounding it costs 2^-9 of ||c_t|| in dE_i and of
+not averaged away (it carries the -beta term; rounding it costs 2^-8 of ||c_t|| in dE_i and of
 the row sums in dC_t, where dE_i itself is a small difference). Its rounding remainder
 dZ_it - round(dZ_it) goes to TLo[row] and is added back in fp32 outside (common.add_target_lo),
 so the target term is exact.

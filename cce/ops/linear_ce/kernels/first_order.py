@@ -302,7 +302,7 @@ def add_dc_first_order(
         return
     hn, hs = normalized(H, c.dtype)
     # mean(C_j) @ H from the same rounded operands as the kernel's c_v @ H (both cancel in
-    # fp32 where the tile mean dominates; a tile's error is 2^-9 of |mean(C_j) H| there).
+    # fp32 where the tile mean dominates; a tile's error is 2^-8 of |mean(C_j) H| there).
     cmh = mm_f32(cm.to(c.dtype), hn, hs)  # [n_tiles, D] fp32
     tma = _tma(c) and tma_rows_ok(hn)
     BM, BN, BK, warps, stages = first_order_config(tma)

@@ -23,7 +23,7 @@ storage: in c's dtype up to FUSED_DIRECT_CHUNKS chunks (cuBLAS, one rounding per
 in scaled fp16 (dc_accumulate.py, 8x finer roundings), so its error stays bounded at any number
 of chunks.
 
-Rounding: q = e^(L - m') <= 1 rounds once (relative 2^-9 in bf16, which keeps fp32's exponent
+Rounding: q = e^(L - m') <= 1 rounds once (relative 2^-8 in bf16, which keeps fp32's exponent
 range), dZ = f q once more: the same relative error per entry as a dZ rounded from fp32 logits,
 twice. Not at the target entry with 16-bit q: dZ_t = alpha p_t - beta cancels where p_t ~ 1, so
 it is formed in fp32 from the target's own logit (the forward's target-logit kernel), and its
