@@ -126,6 +126,10 @@ def test_slab_errors_first_order_against_float64():
         want[s] = (Ss / V)[:, None] * (E @ G)
     assert rel_err(fo, want) < 1e-5
     assert float(want.norm()) > 0
+    # at a temperature (logit_scale lam = 1 / T) the deviations, so G e_i, are lam times the
+    # plain logits' (the same rows: sampling reads the codes, not the logits)
+    fo_t = slab_errors(*args, *rest, cm=cm, logit_scale=2.5)[2]
+    assert rel_err(fo_t, 2.5 * want) < 1e-5
 
 
 def _model_grads(e, c, t, g, out, fo_on: bool, delta=None, ent=None, temperature=1.0):
