@@ -42,8 +42,8 @@ GRAD_TOL_FP32 = 2e-5
 # and rel. L2 <= u (A_p + 1) with A_p = ||sum_r |g_r| || / ||g|| (1 without cancellation between
 # ranks). Plus 2 u for the auto gradient filter (one bf16 rounding, on tiles that differ between
 # the batch compositions, either side) and 2 u for intermediates the matmuls of two batch sizes
-# may round differently: u (A_p + 5).
-# (The CPU's bf16 embedding backward accumulates in bf16 and fails this at the default size.)
+# may round differently: u (A_p + 5). (The CPU's bf16 embedding backward accumulates in bf16
+# and failed this bound, with u taken as 2^-9, at the default size.)
 BF16_UNIT = 2.0**-8
 LOSS_FLOOR = 1e-6  # relative, ~8 fp32 ulps of the loss: the first steps, where the references agree
 
