@@ -36,14 +36,13 @@ IGNORE_INDEX = -100
 # Step-0 gradients in fp32: both sides differ in summation order only (~1e-7); 2e-5 as the
 # distributed tests allow for cancellation-prone small gradients.
 GRAD_TOL_FP32 = 2e-5
-# bf16, unit roundoff u = 2^-8 (8 significant bits). Per parameter p, with g = sum_r g_r the
-# reference gradient and g_r the part from rank r's tokens: FSDP2 averages W gradients W g_r, each
-# rounded to bf16 once, the reference rounds g once, so per entry |diff| <= u (sum_r |g_r| + |g|)
-# and rel. L2 <= u (A_p + 1) with A_p = ||sum_r |g_r| || / ||g|| (1 without cancellation between
-# ranks). Plus 2 u for the auto gradient filter (one bf16 rounding, on tiles that differ between
-# the batch compositions, either side) and 2 u for intermediates the matmuls of two batch sizes
-# may round differently: u (A_p + 5). (The CPU's bf16 embedding backward accumulates in bf16
-# and failed this bound, with u taken as 2^-9, at the default size.)
+# bf16, unit roundoff u = 2^-8. Per parameter p, with g = sum_r g_r the reference gradient and g_r
+# rank r's tokens' part: FSDP2 averages W gradients W g_r, each rounded to bf16 once, the reference
+# rounds g once, so per entry |diff| <= u (sum_r |g_r| + |g|) and rel. L2 <= u (A_p + 1), A_p =
+# ||sum_r |g_r| || / ||g|| (1 without cancellation between ranks); plus 2 u for the auto gradient
+# filter (one bf16 rounding, on tiles that differ between the batch compositions, either side) and
+# 2 u for intermediates the matmuls of two batch sizes may round differently: u (A_p + 5). (The
+# CPU's bf16 embedding backward, summed in bf16, failed this with u = 2^-9 at the default size.)
 BF16_UNIT = 2.0**-8
 LOSS_FLOOR = 1e-6  # relative, ~8 fp32 ulps of the loss: the first steps, where the references agree
 
