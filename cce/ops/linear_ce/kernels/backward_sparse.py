@@ -545,6 +545,9 @@ def _write_dc(
     pending = plan.fo_pending
     fo_flag = plan.fo.flag if plan.fo is not None else None if pending is None else pending.flag
     if g.n_vtiles > 0:
+        # One stage: most programs write a tile without kept tiles (q G and a few target rows), so
+        # the writer is bound by how many programs an SM holds, which the shared memory of a
+        # pipelined recompute lowers (docs/benchmarks.md, "The sparse dC writer's programs").
         with g.ctx:
             _sparse_dc_kernel[(g.n_vtiles * triton.cdiv(g.D, BDO_C),)](
                 W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
@@ -553,7 +556,7 @@ def _write_dc(
                 GFlag=fo_flag, dC=dC,
                 stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=g.n_blocks, cap=cap,
                 tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
-                BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=2, **g.common,
+                BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=1, **g.common,
             )  # fmt: skip
     return dC
 

@@ -259,15 +259,29 @@ def add_dc_targets(
     seg0 = tl.load(Seg + j)
     seg1 = tl.load(Seg + j + 1)
     lanes = tl.arange(0, LANES)
+    ar = tl.arange(0, BLOCK_R)
+    # Software-pipelined by hand: the rows' indices are loaded two groups ahead and their rows of
+    # E one group ahead, so neither load's latency (the gather waits on its indices) stalls the
+    # products of the group at hand (a few thousand rows loop in the frequent classes' tiles).
+    rm = seg0 + ar < seg1
+    row = tl.load(TRow + seg0 + ar, mask=rm, other=0).to(tl.int64)
+    lp = tl.load(TPos + seg0 + ar, mask=rm, other=-1) - p0
+    cf = tl.load(TCoef + seg0 + ar, mask=rm, other=0.0)
+    ev = tl.load(E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0)
+    rm1 = seg0 + BLOCK_R + ar < seg1
+    row1 = tl.load(TRow + seg0 + BLOCK_R + ar, mask=rm1, other=0).to(tl.int64)
+    lp1 = tl.load(TPos + seg0 + BLOCK_R + ar, mask=rm1, other=-1) - p0
+    cf1 = tl.load(TCoef + seg0 + BLOCK_R + ar, mask=rm1, other=0.0)
     for r0 in range(seg0, seg1, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        rm = offs_r < seg1
-        row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
-        lp = tl.load(TPos + offs_r, mask=rm, other=-1) - p0
-        cf = tl.load(TCoef + offs_r, mask=rm, other=0.0)
-        x = tl.load(
-            E + row[:, None] * stride_e + offs_do[None, :], mask=rm[:, None] & dmask[None, :], other=0.0
-        ).to(tl.float32) * cf[:, None]  # fmt: skip  # [BLOCK_R, BLOCK_DO]
+        ev1 = tl.load(
+            E + row1[:, None] * stride_e + offs_do[None, :], mask=rm1[:, None] & dmask[None, :], other=0.0
+        )  # [BLOCK_R, BLOCK_DO] of the next group
+        offs2 = r0 + 2 * BLOCK_R + ar
+        rm2 = offs2 < seg1
+        row2 = tl.load(TRow + offs2, mask=rm2, other=0).to(tl.int64)
+        lp2 = tl.load(TPos + offs2, mask=rm2, other=-1) - p0
+        cf2 = tl.load(TCoef + offs2, mask=rm2, other=0.0)
+        x = ev.to(tl.float32) * cf[:, None]  # [BLOCK_R, BLOCK_DO]
         onehot = tl.where(lanes[:, None] == lp[None, :], 1.0, 0.0)  # [LANES, BLOCK_R]
         if SPLIT_DOT:
             oh = onehot.to(tl.bfloat16)  # exact
@@ -280,6 +294,8 @@ def add_dc_targets(
             acc = tl.dot(oh, lo, acc)
         else:
             acc = tl.dot(onehot, x, acc, input_precision="ieee")
+        ev, lp, cf = ev1, lp1, cf1
+        row1, lp1, cf1, rm1 = row2, lp2, cf2, rm2
     return acc
 
 
