@@ -668,3 +668,32 @@ def test_compact_lists(A, B, transposed):
         assert int(cnt[a]) == cols.numel()
         assert torch.equal(lst[a, : cols.numel()].long(), cols)
         assert (lst[a, cols.numel() :] == 0).all()
+
+
+@pytest.mark.parametrize("n_rows", [1, 15, 16, 17, 33, 50])
+def test_dc_target_rows_over_many_groups(n_rows):
+    """The dC writer takes a tile's target rows in groups of BLOCK_R (16 here), loading a group's
+    indices two groups ahead and its rows of E one group ahead (common.add_dc_targets): with
+    ``n_rows`` rows targeting one class (up to four groups, partial ones included) and the other
+    rows spread, dC against float64 within the filter's bound (a few 1e-3 on this data, as in the
+    tests above). A group left out or taken twice moves that class's row of dC by 16 rows' e_i / N,
+    most of the gradient's norm here."""
+    N = 64
+    e, c, t = zipf_inputs(N, 32, 300, dtype=torch.float32, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    t = torch.randint(1, 300, (N,), generator=gen)
+    t[:n_rows] = 0
+    t[n_rows::9] = -100
+    eps = 2e-3
+    out = _fwd(e, c, None, None, t, "mean", 0.0, 0.0, 0.0, eps)
+    g = torch.rand(N, generator=gen) / N  # a random upstream gradient per row
+    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, 0.0, 0.0, True, True, *out[2:8])
+    dE, dC = sparse_backward(*args)
+    from cce.reference import linear_cross_entropy_reference
+
+    ed, cd = e.double().requires_grad_(), c.double().requires_grad_()
+    loss = linear_cross_entropy_reference(ed, cd, t, None, dtype=torch.float64, reduction="none")
+    (loss * g.double()).sum().backward()
+    assert rel_err(dC, cd.grad) < 2e-2 and rel_err(dE, ed.grad) < 2e-2
+    # the target class's row alone, where a group's mistake would show
+    assert rel_err(dC[0], cd.grad[0]) < 2e-2
