@@ -204,6 +204,99 @@ def _kept_dz_block_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _skipped_tiles(
+    acc, Code, Cm, Slog, Dense, offs_n, row_mask, offs_do, dmask, alpha, eta, lse, code_row0, stride_code,
+    stride_cm, n_vtiles, tiles_per_slab,
+    HAS_ETA: tl.constexpr, HAS_DENSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_DO: tl.constexpr, BLOCK_J: tl.constexpr, STEPS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(acc plus the skipped tiles' rank-1 corrections of a token block's rows, one D chunk; fsum:
+    each row's coefficient of the first-order term) for _sparse_de_kernel."""
+    # Skipped tiles: S_ij = exp(-code / STEPS), the tile's non-target probability mass (times
+    # softcap'; code 255, kept tiles included: 0), against the tile mean of C. Masses <= 1, so
+    # the operand dtype holds them.
+    corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+    ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_ETA:
+        # The entropy's term eta p z over a skipped tile, with the tile's p-weighted mean logit
+        # zbar_ij = lse + log(S_ij / BLOCK_V) (to first order in the tile's logit spread, the
+        # model of first_order.py; with softcap, S / softcap'(zbar): common.skipped_slog): the
+        # tile's coefficient is a_ij = alpha_i + eta_i zbar_ij = a0_i + eta_i slog_ij / S_ij,
+        # a0_i = alpha_i + eta_i (lse_i - log BLOCK_V). The product's operand is a_ij S_ij / r_i,
+        # formed in fp32 and rounded once, r_i = |a0_i| + |eta_i| (then |a_ij S_ij / r_i| <=
+        # S_ij + |slog_ij|: within fp16's range whatever the upstream gradient's scale).
+        a0 = skipped_coef0(alpha, eta, lse, BLOCK_V)
+        r = tl.abs(a0) + tl.abs(eta)
+        inv_r = 1.0 / tl.maximum(r, 1e-30)  # (|a0_i| / max(r_i, 1e-30) <= 1: 0 on r_i = 0)
+        a0r = a0 * inv_r
+        etar = eta * inv_r
+        wsum = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_j a_ij S_ij / r_i
+    for j0 in range(0, n_vtiles, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        jm = offs_j < n_vtiles
+        code = tl.load(
+            Code + (offs_n - code_row0).to(tl.int64)[:, None] * stride_code + offs_j[None, :],
+            mask=row_mask[:, None] & jm[None, :], other=255,
+        ).to(tl.float32)  # fmt: skip  # [BLOCK_N, BLOCK_J]
+        S = tl.where(code < 255.0, tl.exp(code * (-1.0 / STEPS)), 0.0)
+        if HAS_DENSE:
+            dn = tl.load(Dense + offs_j // tiles_per_slab, mask=jm, other=1)
+            S = tl.where(dn[None, :] == 0, S, 0.0)
+        cm = tl.load(
+            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
+            mask=jm[:, None] & dmask[None, :], other=0.0,
+        )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
+        if HAS_ETA:
+            # slog_ij = S (zbar - lse + log BLOCK_V) (common.skipped_slog, formed once per step
+            # in Slog: with softcap its Newton steps per D chunk cost more than the products).
+            slog = tl.load(
+                Slog + offs_n.to(tl.int64)[:, None] * n_vtiles + offs_j[None, :],
+                mask=row_mask[:, None] & jm[None, :], other=0.0,
+            )  # fmt: skip
+            if HAS_DENSE:
+                slog = tl.where(dn[None, :] == 0, slog, 0.0)
+            w = a0r[:, None] * S + etar[:, None] * slog  # [BLOCK_N, BLOCK_J]: a_ij S_ij / r_i
+            corr = tl.dot(w.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
+            wsum += tl.sum(w, axis=1)
+        else:
+            corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
+        ssum += tl.sum(S, axis=1)
+    if HAS_ETA:
+        acc += r[:, None] * corr
+        # The first-order term's coefficient: sum_j (a_ij + eta_i) S_ij (first_order.py).
+        fsum = r * wsum + eta * ssum
+    else:
+        acc += alpha[:, None] * corr
+        fsum = alpha * ssum
+    return acc, fsum
+
+
+@triton.jit
+def _first_order_rows(
+    acc, E, Gram, GScale, GFlag, erow, row_mask, offs_do, dmask, fsum, D, stride_e,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """acc plus, where GFlag is nonzero, fsum_i (e_i @ Gbar) over one D chunk (Gram = Gbar / GScale,
+    first_order.py) for _sparse_de_kernel."""
+    if tl.load(GFlag) != 0:
+        offs_k = tl.arange(0, BLOCK_D)
+        fo = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_D):
+            km = (k0 + offs_k) < D
+            e = tl.load(
+                E + erow[:, None] * stride_e + (k0 + offs_k)[None, :],
+                mask=row_mask[:, None] & km[None, :], other=0.0,
+            )  # fmt: skip  # [BLOCK_N, BLOCK_D]
+            g = tl.load(
+                Gram + (k0 + offs_k).to(tl.int64)[:, None] * D + offs_do[None, :],
+                mask=km[:, None] & dmask[None, :], other=0.0,
+            )  # fmt: skip  # [BLOCK_D, BLOCK_DO]
+            fo = tl.dot(e, g, fo, input_precision=PRECISION)
+        acc += (fsum * tl.load(GScale))[:, None] * fo
+    return acc
+
+
 @cached_launch
 @triton.heuristics(
     {
@@ -280,78 +373,16 @@ def _sparse_de_kernel(
             C + vid[:, None] * stride_c + offs_do[None, :], mask=col_mask[:, None] & dmask[None, :], other=0.0
         )  # [BLOCK_V, BLOCK_DO]
         acc += tl.dot(dzc, c, input_precision=PRECISION) * scale
-    # Skipped tiles: S_ij = exp(-code / STEPS), the tile's non-target probability mass (times
-    # softcap'; code 255, kept tiles included: 0), against the tile mean of C. Masses <= 1, so
-    # the operand dtype holds them.
-    corr = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
-    ssum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_ETA:
-        # The entropy's term eta p z over a skipped tile, with the tile's p-weighted mean logit
-        # zbar_ij = lse + log(S_ij / BLOCK_V) (to first order in the tile's logit spread, the
-        # model of first_order.py; with softcap, S / softcap'(zbar): common.skipped_slog): the
-        # tile's coefficient is a_ij = alpha_i + eta_i zbar_ij = a0_i + eta_i slog_ij / S_ij,
-        # a0_i = alpha_i + eta_i (lse_i - log BLOCK_V). The product's operand is a_ij S_ij / r_i,
-        # formed in fp32 and rounded once, r_i = |a0_i| + |eta_i| (then |a_ij S_ij / r_i| <=
-        # S_ij + |slog_ij|: within fp16's range whatever the upstream gradient's scale).
-        a0 = skipped_coef0(alpha, eta, lse, BLOCK_V)
-        r = tl.abs(a0) + tl.abs(eta)
-        inv_r = 1.0 / tl.maximum(r, 1e-30)  # (|a0_i| / max(r_i, 1e-30) <= 1: 0 on r_i = 0)
-        a0r = a0 * inv_r
-        etar = eta * inv_r
-        wsum = tl.zeros((BLOCK_N,), dtype=tl.float32)  # sum_j a_ij S_ij / r_i
-    for j0 in range(0, n_vtiles, BLOCK_J):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        jm = offs_j < n_vtiles
-        code = tl.load(
-            Code + (offs_n - code_row0).to(tl.int64)[:, None] * stride_code + offs_j[None, :],
-            mask=row_mask[:, None] & jm[None, :], other=255,
-        ).to(tl.float32)  # fmt: skip  # [BLOCK_N, BLOCK_J]
-        S = tl.where(code < 255.0, tl.exp(code * (-1.0 / STEPS)), 0.0)
-        if HAS_DENSE:
-            dn = tl.load(Dense + offs_j // tiles_per_slab, mask=jm, other=1)
-            S = tl.where(dn[None, :] == 0, S, 0.0)
-        cm = tl.load(
-            Cm + offs_j.to(tl.int64)[:, None] * stride_cm + offs_do[None, :],
-            mask=jm[:, None] & dmask[None, :], other=0.0,
-        )  # fmt: skip  # [BLOCK_J, BLOCK_DO]
-        if HAS_ETA:
-            # slog_ij = S (zbar - lse + log BLOCK_V) (common.skipped_slog, formed once per step
-            # in Slog: with softcap its Newton steps per D chunk cost more than the products).
-            slog = tl.load(
-                Slog + offs_n.to(tl.int64)[:, None] * n_vtiles + offs_j[None, :],
-                mask=row_mask[:, None] & jm[None, :], other=0.0,
-            )  # fmt: skip
-            if HAS_DENSE:
-                slog = tl.where(dn[None, :] == 0, slog, 0.0)
-            w = a0r[:, None] * S + etar[:, None] * slog  # [BLOCK_N, BLOCK_J]: a_ij S_ij / r_i
-            corr = tl.dot(w.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
-            wsum += tl.sum(w, axis=1)
-        else:
-            corr = tl.dot(S.to(Cm.dtype.element_ty), cm, corr, input_precision=PRECISION)
-        ssum += tl.sum(S, axis=1)
-    if HAS_ETA:
-        acc += r[:, None] * corr
-        # The first-order term's coefficient: sum_j (a_ij + eta_i) S_ij (first_order.py).
-        fsum = r * wsum + eta * ssum
-    else:
-        acc += alpha[:, None] * corr
-        fsum = alpha * ssum
+    acc, fsum = _skipped_tiles(
+        acc, Code, Cm, Slog, Dense, offs_n, row_mask, offs_do, dmask, alpha, eta, lse, code_row0, stride_code,
+        stride_cm, n_vtiles, tiles_per_slab,
+        HAS_ETA, HAS_DENSE, BLOCK_N, BLOCK_V, BLOCK_DO, BLOCK_J, STEPS, PRECISION,
+    )  # fmt: skip
     if HAS_GRAM:
-        if tl.load(GFlag) != 0:
-            offs_k = tl.arange(0, BLOCK_D)
-            fo = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
-            for k0 in range(0, D, BLOCK_D):
-                km = (k0 + offs_k) < D
-                e = tl.load(
-                    E + erow[:, None] * stride_e + (k0 + offs_k)[None, :],
-                    mask=row_mask[:, None] & km[None, :], other=0.0,
-                )  # fmt: skip  # [BLOCK_N, BLOCK_D]
-                g = tl.load(
-                    Gram + (k0 + offs_k).to(tl.int64)[:, None] * D + offs_do[None, :],
-                    mask=km[:, None] & dmask[None, :], other=0.0,
-                )  # fmt: skip  # [BLOCK_D, BLOCK_DO]
-                fo = tl.dot(e, g, fo, input_precision=PRECISION)
-            acc += (fsum * tl.load(GScale))[:, None] * fo
+        acc = _first_order_rows(
+            acc, E, Gram, GScale, GFlag, erow, row_mask, offs_do, dmask, fsum, D, stride_e,
+            BLOCK_N, BLOCK_D, BLOCK_DO, PRECISION,
+        )  # fmt: skip
     coef = tl.load(Coef + offs_n, mask=row_mask, other=0.0)
     ct = tl.load(
         C + tgt[:, None] * stride_c + offs_do[None, :], mask=row_mask[:, None] & dmask[None, :], other=0.0
