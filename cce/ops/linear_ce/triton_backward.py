@@ -585,14 +585,13 @@ def _dc_inputs(
     q = q.reshape(-1)[:V]  # (the dC writer spreads uniformly instead where fo's flag is set)
     if tp is None:  # (each sorted row's target's sorted position, where the caller has none)
         tp = vpos.index_select(0, t_s)
-    # The sort's keys in the narrowest integer type that holds the tile ids (a radix sort's
-    # passes, and their launches, go with the key's bytes: 2 for int16 against 8 for int64).
-    key = torch.int16 if nt < 2**15 else torch.int32
-    tile_t = torch.where(valid_s, tp // BV, nt).to(key)
-    tile_o, order = torch.sort(tile_t, stable=True)
+    # The valid rows by their target's sorted position (so by its tile: seg, the tiles'
+    # boundaries; and a class's rows consecutive: kernels/dc_skipped.py), the others after them
+    # at nt * BV. int32 keys: a radix sort's passes go with the key's bytes.
+    key = torch.where(valid_s, tp, nt * BV).to(torch.int32)
+    tpos, order = torch.sort(key, stable=True)
     trow = r.erow_s.index_select(0, order)
-    tpos = tp.index_select(0, order).to(torch.int32)
     tcoef = coef.index_select(0, order)
-    seg = torch.searchsorted(tile_o, torch.arange(nt + 1, dtype=key, device=dev))
+    seg = torch.searchsorted(tpos, torch.arange(0, (nt + 1) * BV, BV, dtype=torch.int32, device=dev))
     ge = None if gamma is None else weighted_rows(gamma, e2d, r.erow)
     return (list_c, cnt_c, G, q, trow, tpos, tcoef, seg, ge), srow

@@ -4,39 +4,41 @@ A tile (token block x vocabulary tile, vocabulary in the sorted order) is recomp
 the forward found a non-target probability of one of its rows that may reach the threshold
 (tile_stats.py). Every other tile contributes through its rank-1 correction: alpha_i S_ij
 mean(C_j) to dE (S_ij its non-target mass) and q_v G_j to dC; every target entry
-alpha p_t - beta is added exactly. dE and dC are each written once by their kernel, one program
-owning a (token block, D chunk) of dE or a (vocabulary tile, D chunk) of dC: no atomics and no
-fp32 gradient buffers. Kept tiles' dZ are computed once into scratch slots (past them, once per
-D chunk of the output); the slots and the codes live in dE's own buffer (stash.py).
+alpha p_t - beta is added exactly. Each value of dE and dC is rounded once into its storage, one
+program owning a (token block, D chunk) of dE or (dc_skipped.py for the tiles without kept
+blocks) a (vocabulary tile, D chunk) of dC: no atomics and no fp32 gradient buffers. Kept
+tiles' dZ are computed once into scratch slots (past them, once per D chunk of the output);
+the slots and the codes live in dE's own buffer (stash.py).
 docs/design.md states the error bound.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import interpreting
+from ...._dispatch import interpreting, num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
     KernelConfig,
     add_dc_targets,
     check_inputs,
+    compact_lists,
     config,
     device_context,
     logit_tile,
     precision,
     skipped_coef0,
     split_dot,
-    sub_dc_smoothing,
     tile_cols,
 )
+from .dc_skipped import rank1_rows, write_skipped_dc
 from .dense_slabs import DenseSlabRun
 from .first_order import FirstOrder, add_dc_first_order
 from .sparse_plan import SparsePlan
@@ -409,23 +411,21 @@ def _sparse_de_kernel(
         "HAS_BIAS": lambda a: a["Bias"] is not None,
         "HAS_WEIGHT": lambda a: a["W"] is not None,
         "HAS_SMOOTH": lambda a: a["GE"] is not None,
-        "HAS_DENSE": lambda a: a["Dense"] is not None,
         "HAS_ETA": lambda a: a["Eta"] is not None,
         "HAS_FO": lambda a: a["GFlag"] is not None,
     }
 )
 @triton.jit
 def _sparse_dc_kernel(
-    E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListC, CntC, Seg, TRow, TPos, TCoef, Q, G, GE,
-    Gidx, Scratch, ScaleBuf, Dense, GFlag, dC,
-    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, inv_temp, cap, tiles_per_slab,
+    E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListC, CntC, TList, TCnt, Seg, TRow, TPos, TCoef,
+    Q, G, GE, Gidx, Scratch, ScaleBuf, GFlag, dC,
+    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, inv_temp, cap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_DENSE: tl.constexpr, HAS_ETA: tl.constexpr, HAS_FO: tl.constexpr, SCALE_DZ: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_ETA: tl.constexpr, HAS_FO: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
     BLOCK_R: tl.constexpr, SPLIT_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """dC[ids of one vocabulary tile, one D chunk], written once in dC's dtype:
+    """dC[ids of one vocabulary tile with kept blocks, one D chunk], written once in dC's dtype:
 
     sum over the tile's kept token blocks of dZ_tile^T @ E_block (recomputed)
     + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile;
@@ -433,59 +433,49 @@ def _sparse_dc_kernel(
     + sum over the rows i with t_i in the tile of coef_i e_i (to fp32 accuracy: common.add_dc_targets)
       [- w_v sum_i gamma_i e_i].
 
-    Tiles of a dense slab (Dense, per slab of tiles_per_slab tiles, or None) are written by
-    dense_slabs._slab_grads_kernel instead.
-
-    One program per (vocabulary tile, D chunk), a tile's D chunks at consecutive program ids (they
-    recompute the same kept tiles from the same rows of E and C, then read from L2).
+    The tiles are TList's first TCnt (those with a kept block; none is in a dense slab, whose
+    tiles keep no block); dc_skipped.py writes the others. Persistent programs take the
+    (tile, D chunk) items in turn, a tile's D chunks at consecutive items (they recompute the
+    same kept tiles from the same rows of E and C, then read from L2).
     """
     n_dchunks = tl.cdiv(D, BLOCK_DO)
-    pid_v = tl.program_id(0) // n_dchunks
-    pid_d = tl.program_id(0) % n_dchunks
-    if HAS_DENSE:
-        if tl.load(Dense + pid_v // tiles_per_slab) != 0:
-            return
     n_valid = tl.load(NValid)
-    offs_p, col_mask, vid = tile_cols(Perm, pid_v, V, BLOCK_V)
-    offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
-    dmask = offs_do < D
-    acc = tl.zeros((BLOCK_V, BLOCK_DO), dtype=tl.float32)
-    cnt = tl.load(CntC + pid_v)
-    for k in range(0, cnt):
-        blk = tl.load(ListC + pid_v * (n_blocks + 1) + k)
-        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = offs_n < n_valid
-        erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
-        gk = tl.load(Gidx + blk * n_vtiles + pid_v)
-        dzc, scale = _kept_dz(
-            Scratch, ScaleBuf, gk, cap,
-            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
-            softcap, inv_temp,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+    for w in range(tl.program_id(0), tl.load(TCnt) * n_dchunks, tl.num_programs(0)):
+        pid_v = tl.load(TList + w // n_dchunks)
+        offs_p, col_mask, vid = tile_cols(Perm, pid_v, V, BLOCK_V)
+        offs_do = (w % n_dchunks) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+        dmask = offs_do < D
+        acc = tl.zeros((BLOCK_V, BLOCK_DO), dtype=tl.float32)
+        for k in range(0, tl.load(CntC + pid_v)):
+            blk = tl.load(ListC + pid_v * (n_blocks + 1) + k)
+            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_mask = offs_n < n_valid
+            erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
+            gk = tl.load(Gidx + blk * n_vtiles + pid_v)
+            dzc, scale = _kept_dz(
+                Scratch, ScaleBuf, gk, cap,
+                E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
+                softcap, inv_temp,
+                HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
+            )  # fmt: skip
+            e = tl.load(
+                E + erow[:, None] * stride_e + offs_do[None, :],
+                mask=row_mask[:, None] & dmask[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_DO]
+            acc += tl.dot(tl.trans(dzc), e, input_precision=PRECISION) * scale
+        acc += rank1_rows(
+            Q, G, GFlag, W, GE, offs_p, pid_v.to(tl.int64), vid, col_mask, offs_do, dmask, V, stride_g,
+            HAS_FO, HAS_SMOOTH, HAS_WEIGHT, BLOCK_V, False,
         )  # fmt: skip
-        e = tl.load(
-            E + erow[:, None] * stride_e + offs_do[None, :],
-            mask=row_mask[:, None] & dmask[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_DO]
-        acc += tl.dot(tl.trans(dzc), e, input_precision=PRECISION) * scale
-    q = tl.load(Q + offs_p, mask=col_mask, other=0.0)
-    if HAS_FO:
-        if tl.load(GFlag) != 0:
-            size = tl.minimum(V - pid_v * BLOCK_V, BLOCK_V).to(tl.float32)
-            q = tl.where(col_mask, 1.0 / size, 0.0)
-    g = tl.load(G + pid_v.to(tl.int64) * stride_g + offs_do, mask=dmask, other=0.0)
-    acc += q[:, None] * g[None, :]
-    acc = add_dc_targets(
-        acc, Seg, TRow, TPos, TCoef, E, pid_v, pid_v * BLOCK_V, offs_do, dmask, stride_e, BLOCK_V, BLOCK_R,
-        SPLIT_DOT,
-    )  # fmt: skip
-    if HAS_SMOOTH:
-        acc = sub_dc_smoothing(acc, W, GE, vid, col_mask, offs_do, dmask, HAS_WEIGHT)
-    tl.store(
-        dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
-        mask=col_mask[:, None] & dmask[None, :],
-    )  # fmt: skip
+        acc = add_dc_targets(
+            acc, Seg, TRow, TPos, TCoef, E, pid_v, pid_v * BLOCK_V, offs_do, dmask, stride_e, BLOCK_V,
+            BLOCK_R, SPLIT_DOT,
+        )  # fmt: skip
+        tl.store(
+            dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
+            mask=col_mask[:, None] & dmask[None, :],
+        )  # fmt: skip
 
 
 def sparse_config() -> tuple[int, int, int, int, int, int]:
@@ -554,8 +544,9 @@ def _write_dc(
     stash: torch.Tensor | None, de: _DeSlots | None, dense: torch.Tensor | None, tiles_per_slab: int,
     smooth: bool,
 ) -> torch.Tensor:  # fmt: skip
-    """dC, newly allocated and written once by _sparse_dc_kernel; the first kept tiles' dZ go first
-    into a scratch: the stash's head with ``de`` (dE wanted), else a buffer of its own."""
+    """dC, newly allocated: the tiles without kept blocks by dc_skipped.write_skipped_dc, then
+    those with them by _sparse_dc_kernel, whose first kept tiles' dZ go first into a scratch:
+    the stash's head with ``de`` (dE wanted), else a buffer of its own."""
     cfg, dev, BN, BV = g.cfg, e2d.device, g.cfg.BLOCK_N, g.cfg.BLOCK_V
     tile = BN * BV
     BD, _, BDO_C, _, BR, warps = sparse_config()
@@ -575,20 +566,39 @@ def _write_dc(
     dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
     pending = plan.fo_pending
     fo_flag = plan.fo.flag if plan.fo is not None else None if pending is None else pending.flag
-    if g.n_vtiles > 0:
-        # One stage: most programs write a tile without kept tiles (q G and a few target rows), so
-        # the writer is bound by how many programs an SM holds, which the shared memory of a
-        # pipelined recompute lowers (docs/benchmarks.md, "The sparse dC writer's programs").
-        with g.ctx:
-            _sparse_dc_kernel[(g.n_vtiles * triton.cdiv(g.D, BDO_C),)](
-                W=weight, ListC=plan.list_c, CntC=plan.cnt_c, Seg=plan.seg, TRow=plan.trow,
-                TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g, GE=plan.ge if smooth else None,
-                Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, Dense=dense,
-                GFlag=fo_flag, dC=dC,
-                stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=g.n_blocks, cap=cap,
-                tiles_per_slab=tiles_per_slab, BLOCK_D=BD, BLOCK_DO=BDO_C,
-                BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=1, **g.common,
-            )  # fmt: skip
+    if g.n_vtiles == 0:
+        return dC
+    tlist, tcnt = compact_lists((plan.cnt_c > 0)[None, :])  # the tiles with kept blocks
+    # Those tiles' programs are few and long (the frequent classes' target rows, the kept
+    # tiles); on CUDA they run on a second stream beside the other tiles' (dc_skipped.py), which
+    # write other rows of dC and read what both read. Its higher priority lets their programs
+    # take SMs first; the others' many short programs fill the rest.
+    main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+    side = torch.cuda.Stream(dev, priority=-1) if main is not None else None
+    if side is not None:
+        side.wait_stream(main)
+    with g.ctx, torch.cuda.stream(side) if side is not None else nullcontext():
+        # (one stage: the recompute's second stage took shared memory from every program:
+        # docs/benchmarks.md, "The sparse dC writer's programs")
+        items = g.n_vtiles * triton.cdiv(g.D, BDO_C)
+        _sparse_dc_kernel[(min(items, 2 * num_sms(dev)),)](
+            W=weight, ListC=plan.list_c, CntC=plan.cnt_c, TList=tlist, TCnt=tcnt, Seg=plan.seg,
+            TRow=plan.trow, TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g,
+            GE=plan.ge if smooth else None, Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, GFlag=fo_flag,
+            dC=dC,
+            stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=g.n_blocks, cap=cap,
+            BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps,
+            num_stages=1, **g.common,
+        )  # fmt: skip
+    with g.ctx:
+        write_skipped_dc(
+            dC, e2d, g.common["Perm"], plan.cnt_c, dense, plan.seg, plan.trow, plan.tpos, plan.tcoef, plan.q,
+            plan.g, fo_flag, weight, plan.ge if smooth else None, tiles_per_slab, BV,
+        )  # fmt: skip
+    if side is not None:
+        # (joined before any later work: what either stream read or wrote is reused, or freed
+        # to the allocator, only after both)
+        main.wait_stream(side)
     return dC
 
 

@@ -38,8 +38,9 @@ class SparsePlan:
     coef: per row, the exact target entry p_t (alpha [+ eta z_t]) - beta (times softcap');
     g [n_tiles, D] fp32 skipped mass times its coefficient times e per tile, q [V]
     its spread within the tile (per position; uniform instead where fo's flag is set);
-    trow / tpos / tcoef: valid rows ordered by the tile of their target (e2d row, target
-    position, coef) with seg [n_tiles + 1] the tile boundaries; wc, ge: the smoothing terms
+    trow / tpos / tcoef: the valid rows ordered by their target's sorted position (e2d row, that
+    position as int32, coef), then the others (position n_tiles * BLOCK_V), with seg
+    [n_tiles + 1] the tiles' boundaries; wc, ge: the smoothing terms
     sum_v w_v c_v and sum_i gamma_i e_i (fp32 [D]).
     """
 
