@@ -6,14 +6,14 @@ Such a tile's rows of dC (sorted positions p, classes v = perm[p], tile j) are
              + sum over the valid rows i with t_i = v of coef_i e_i      the exact target entries
              [- w_v sum_i gamma_i e_i]                                   label smoothing
 
-(backward_sparse.py has the terms). Two launches write them, once each, in dC's dtype, without a
-host synchronisation:
+(backward_sparse.py has the terms). Two launches write them in dC's dtype, without a host
+synchronisation:
 
 - _dc_rank1_kernel streams q_p G_j [- w_v ge] into every row of those tiles: one program per
   (tile, D chunk), a few loads and one store of [BLOCK_V, BLOCK_DO], so it runs near HBM's
   write bandwidth;
 - _dc_target_classes_kernel then writes again the rows of the classes that are targets, whole:
-  the target sum plus the same rank-1 term, so each stored value is rounded once. The valid rows
+  the target sum plus the same rank-1 term in fp32, so each final value is rounded once. The valid rows
   are sorted by their target's sorted position (triton_backward._dc_inputs): a class's rows are
   consecutive. One program per (group of BLOCK_R sorted rows, D chunk) owns the classes whose
   first row lies in its group; it sums their rows in the group by one one-hot product (fp32
@@ -23,9 +23,9 @@ host synchronisation:
 The tiles with kept blocks (a few at the head of the sorted vocabulary on LM-like data) are the
 sparse dC writer's (backward_sparse._sparse_dc_kernel), and the dense slabs' tiles
 DenseSlabRun's: both kernels here leave them alone. Written as one kernel with the kept-tile
-recompute, every program paid for the recompute's registers (255 per thread, spilled): 1.24 ms
-per step at 8192 x 4096 x 128256 on an H200, against 0.27 ms for the rank-1 stream alone
-(docs/benchmarks.md, "The sparse dC writer's three kernels").
+recompute, every program paid for the recompute's registers (255 per thread, spilled), and the
+tiles that need only q G ran far below the write bandwidth (docs/benchmarks.md, "The sparse dC
+writer's three kernels").
 """
 
 from __future__ import annotations
