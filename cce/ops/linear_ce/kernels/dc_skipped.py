@@ -108,26 +108,11 @@ def _dc_rank1_kernel(
     offs_p, col_mask, vid = tile_cols(Perm, pid_v, V, BLOCK_V)
     offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
+    # [BLOCK_V, BLOCK_DO]
     acc = rank1_rows(
-        Q,
-        G,
-        GFlag,
-        W,
-        GE,
-        offs_p,
-        pid_v.to(tl.int64),
-        vid,
-        col_mask,
-        offs_do,
-        dmask,
-        V,
-        stride_g,
-        HAS_FO,
-        HAS_SMOOTH,
-        HAS_WEIGHT,
-        BLOCK_V,
-        False,
-    )  # fmt: skip  [BLOCK_V, BLOCK_DO]
+        Q, G, GFlag, W, GE, offs_p, pid_v.to(tl.int64), vid, col_mask, offs_do, dmask, V, stride_g,
+        HAS_FO, HAS_SMOOTH, HAS_WEIGHT, BLOCK_V, False,
+    )  # fmt: skip
     tl.store(
         dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
         mask=col_mask[:, None] & dmask[None, :],
