@@ -577,28 +577,29 @@ def _write_dc(
     side = torch.cuda.Stream(dev, priority=-1) if main is not None else None
     if side is not None:
         side.wait_stream(main)
-    with g.ctx, torch.cuda.stream(side) if side is not None else nullcontext():
-        # (one stage: the recompute's second stage took shared memory from every program:
-        # docs/benchmarks.md, "The sparse dC writer's programs")
-        items = g.n_vtiles * triton.cdiv(g.D, BDO_C)
-        _sparse_dc_kernel[(min(items, 2 * num_sms(dev)),)](
-            W=weight, ListC=plan.list_c, CntC=plan.cnt_c, TList=tlist, TCnt=tcnt, Seg=plan.seg,
-            TRow=plan.trow, TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g,
-            GE=plan.ge if smooth else None, Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf, GFlag=fo_flag,
-            dC=dC,
-            stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=g.n_blocks, cap=cap,
-            BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device), num_warps=warps,
-            num_stages=1, **g.common,
-        )  # fmt: skip
-    with g.ctx:
-        write_skipped_dc(
-            dC, e2d, g.common["Perm"], plan.cnt_c, dense, plan.seg, plan.trow, plan.tpos, plan.tcoef, plan.q,
-            plan.g, fo_flag, weight, plan.ge if smooth else None, tiles_per_slab, BV,
-        )  # fmt: skip
-    if side is not None:
-        # (joined before any later work: what either stream read or wrote is reused, or freed
-        # to the allocator, only after both)
-        main.wait_stream(side)
+    try:
+        with g.ctx, torch.cuda.stream(side) if side is not None else nullcontext():
+            # (one stage: the recompute's second stage took shared memory from every program:
+            # docs/benchmarks.md, "The sparse dC writer's programs")
+            items = g.n_vtiles * triton.cdiv(g.D, BDO_C)
+            _sparse_dc_kernel[(min(items, 2 * num_sms(dev)),)](
+                W=weight, ListC=plan.list_c, CntC=plan.cnt_c, TList=tlist, TCnt=tcnt, Seg=plan.seg,
+                TRow=plan.trow, TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g,
+                GE=plan.ge if smooth else None, Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf,
+                GFlag=fo_flag, dC=dC, stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=g.n_blocks,
+                cap=cap, BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device),
+                num_warps=warps, num_stages=1, **g.common,
+            )  # fmt: skip
+        with g.ctx:
+            write_skipped_dc(
+                dC, e2d, g.common["Perm"], plan.cnt_c, dense, plan.seg, plan.trow, plan.tpos, plan.tcoef,
+                plan.q, plan.g, fo_flag, weight, plan.ge if smooth else None, tiles_per_slab, BV,
+            )  # fmt: skip
+    finally:
+        if side is not None:
+            # (joined before any later work, an error's included: what either stream read or
+            # wrote is reused, or freed to the allocator, only after both)
+            main.wait_stream(side)
     return dC
 
 
@@ -679,8 +680,9 @@ def linear_ce_backward_sparse(
     cm: torch.Tensor | None = None, temperature: float = 1.0, decided: HostPeek | None = None,
     block_bytes: int = 256 << 20,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-    """(dE, dC), each written once by its kernel: dE into ``stash`` (e2d's shape and dtype; the
-    codes plan.code may be its tail, see stash_code), which is returned; dC newly allocated.
+    """(dE, dC), each value rounded once into its storage: dE into ``stash`` (e2d's shape and
+    dtype; the codes plan.code may be its tail, see stash_code), which is returned; dC newly
+    allocated.
 
     No fp32 gradient accumulators and no atomics: one program owns a (token block, D chunk) of dE
     or a (vocabulary tile, D chunk) of dC. The skipped tiles enter through the forward's

@@ -238,9 +238,10 @@ def add_dc_targets(
     LANES: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_DOT: tl.constexpr,
 ):  # fmt: skip
     """acc [LANES, BLOCK_DO] (dC rows of sorted positions p0 + lane, all in tile j) plus, for each
-    valid row i whose target lies there, coef_i e_i: the rows ordered by their target's tile
-    (Seg, TRow, TPos, TCoef of backward_sparse.SparsePlan), one one-hot product per BLOCK_R of
-    them, to fp32 accuracy (the coefficient alpha p_t - beta is a cancellation).
+    valid row i whose target lies there, coef_i e_i: the rows ordered by their target's sorted
+    position, so by tile (Seg, TRow, TPos, TCoef of backward_sparse.SparsePlan), one one-hot
+    product per BLOCK_R of them, to fp32 accuracy (the coefficient alpha p_t - beta is a
+    cancellation).
 
     With SPLIT_DOT the product runs on the tensor cores: x = coef_i e_i (fp32) is split into three
     bf16 parts whose sum is x exactly (bf16 keeps fp32's exponent range and 8 of its 24

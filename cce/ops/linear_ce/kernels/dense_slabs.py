@@ -328,7 +328,7 @@ def _slab_grads_kernel(
     dC,  # [V, D] written (added to) at the slab's classes (or None: no dC)
     Acc16, S16,  # dC's storage as fp16 and its scale [1] fp32 (_slab_dc_tile), or None
     DZd, Cd, DZtd, Ed,  # USE_TMA: descriptors of DZ [BLOCK_M, BLOCK_K], C_slab, DZ [BLOCK_K, BLOCK_M], E_s
-    Seg, TRow, TPos, TCoef,  # the valid rows ordered by their target's tile (backward_sparse.SparsePlan)
+    Seg, TRow, TPos, TCoef,  # the valid rows by their target's position, so by tile (sparse_plan.SparsePlan)
     W, GE,  # smoothing: class weights [V] or None, sum_i gamma_i e_i [D] fp32; or None
     N, D, stride_dz, stride_c, stride_e, stride_de, stride_dc, slab, v0, width, de_blocks, row0,
     SCALE_DZ: tl.constexpr, HAS_DE: tl.constexpr, HAS_DC: tl.constexpr, HAS_SMOOTH: tl.constexpr,
