@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from ...._dispatch import interpreting, num_sms
-from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
     KernelConfig,
@@ -32,7 +31,6 @@ from .common import (
     compact_lists,
     config,
     device_context,
-    logit_tile,
     precision,
     skipped_coef0,
     split_dot,
@@ -41,169 +39,13 @@ from .common import (
 from .dc_skipped import rank1_rows, write_skipped_dc
 from .dense_slabs import DenseSlabRun
 from .first_order import FirstOrder, add_dc_first_order
+from .kept_tiles import block_rows, fill_block_slots, fill_kept_slots, kept_dz
 from .sparse_plan import SparsePlan
 from .stash import de_rounds, shares_memory, stash_layout, to_e_rows
 from .tile_stats import STATS_STEPS, tile_means
 
 if TYPE_CHECKING:
     from ..host_peek import HostPeek
-
-
-@triton.jit
-def _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA: tl.constexpr):
-    """(e2d row int64, target int64 (-1 masked), lse, alpha, eta) of a token block's sorted rows
-    (eta 0 without HAS_ETA)."""
-    erow = tl.load(Erow + offs_n, mask=row_mask, other=0).to(tl.int64)
-    tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
-    lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
-    alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
-    if HAS_ETA:
-        eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
-    else:
-        eta = tl.zeros_like(alpha)
-    return erow, tgt, lse, alpha, eta
-
-
-@triton.jit
-def _dz_tile(
-    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap, inv_temp,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """(dZ tile in the operand dtype, its scale): p (alpha [+ eta z]) softcap' at the non-target
-    entries (HAS_ETA: the entropy's term, z the softcapped logit; cce/_math.py).
-
-    The target entries are 0 here; their exact term is added in fp32 by the caller. SCALE_DZ
-    (fp16): the tile is scaled to max |dZ| = 1 before rounding (alpha p can sit below fp16's
-    normal range), the products are to be multiplied by the returned scale.
-    """
-    L = logit_tile(
-        E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
-    )  # [BLOCK_N, BLOCK_V]
-    if HAS_BIAS:
-        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
-        L += b[None, :]
-    if HAS_SOFTCAP:
-        L, th = jm.softcap(L, softcap)
-    if HAS_TEMP:  # the logits softcap(x) / T (the coefficients carry the chain rule's 1 / T)
-        L = L * inv_temp
-    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
-    if HAS_ETA:
-        p = tl.exp(L - lse[:, None])
-        # (L where p > 0: a class a -inf bias masks gets 0, not 0 * -inf)
-        dz = tl.where(nt, p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0)), 0.0)
-    else:
-        dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)
-    if HAS_SOFTCAP:
-        dz *= 1.0 - th * th
-    if SCALE_DZ:
-        scale = tl.max(tl.max(tl.abs(dz), axis=1), axis=0)
-        scale = tl.where(scale > 0, scale, 1.0)
-        dzc = (dz / scale).to(E.dtype.element_ty)
-    else:
-        scale = 1.0
-        dzc = dz.to(E.dtype.element_ty)
-    return dzc, scale
-
-
-@triton.jit
-def _kept_dz(
-    Scratch, ScaleBuf, gk, cap,
-    E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap, inv_temp,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """The dZ tile of the gk-th kept tile: from the scratch written by _kept_dz_kernel when it has a
-    slot there (gk < cap), else recomputed."""
-    if gk < cap:
-        offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-        dzc = tl.load(Scratch + gk.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs)
-        if SCALE_DZ:
-            scale = tl.load(ScaleBuf + gk)
-        else:
-            scale = 1.0
-    else:
-        dzc, scale = _dz_tile(
-            E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
-            softcap, inv_temp,
-            HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
-        )  # fmt: skip
-    return dzc, scale
-
-
-@triton.jit
-def _kept_dz_to_slot(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf, blk, j, slot,
-    V, D, stride_e, stride_c, softcap, inv_temp,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """The dZ tile (token block blk, vocabulary tile j) into scratch slot ``slot``."""
-    n_valid = tl.load(NValid)
-    offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = offs_n < n_valid
-    erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
-    offs_p, col_mask, vid = tile_cols(Perm, j, V, BLOCK_V)
-    dzc, scale = _dz_tile(
-        E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c, softcap,
-        inv_temp,
-        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
-    )  # fmt: skip
-    offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-    tl.store(Scratch + slot.to(tl.int64) * (BLOCK_N * BLOCK_V) + offs, dzc)
-    if SCALE_DZ:
-        one = tl.arange(0, 1)
-        tl.store(ScaleBuf + slot + one, scale + tl.zeros((1,), tl.float32))
-
-
-@cached_launch
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
-@triton.jit
-def _kept_dz_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, KList, NKept, Scratch, ScaleBuf,
-    V, D, stride_e, stride_c, n_vtiles, softcap, inv_temp,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Program k: the dZ tile of the k-th kept tile (in (block, tile) order), once, into scratch
-    slot k (the dC writer reads it once per D chunk instead of recomputing it)."""
-    k = tl.program_id(0)
-    if k >= tl.load(NKept):
-        return
-    flat = tl.load(KList + k)
-    _kept_dz_to_slot(
-        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf,
-        flat // n_vtiles, flat % n_vtiles, k, V, D, stride_e, stride_c, softcap, inv_temp,
-        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
-    )  # fmt: skip
-
-
-@cached_launch
-@triton.heuristics({"HAS_BIAS": lambda a: a["Bias"] is not None, "HAS_ETA": lambda a: a["Eta"] is not None})
-@triton.jit
-def _kept_dz_block_kernel(
-    E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListE, CntE, Scratch, ScaleBuf,
-    V, D, stride_e, stride_c, n_vtiles, softcap, inv_temp,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
-    SCALE_DZ: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Program (b, s): the s-th kept tile of token block b into slot b * n_slots + s (the dE
-    writer's per-block slots; the block's later kept tiles are recomputed there)."""
-    blk = tl.program_id(0)
-    s = tl.program_id(1)
-    if s >= tl.load(CntE + blk):
-        return
-    j = tl.load(ListE + blk * (n_vtiles + 1) + s)
-    _kept_dz_to_slot(
-        E, C, Bias, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, Scratch, ScaleBuf,
-        blk, j, blk * tl.num_programs(1) + s, V, D, stride_e, stride_c, softcap, inv_temp,
-        HAS_BIAS, HAS_SOFTCAP, HAS_TEMP, HAS_ETA, SCALE_DZ, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -327,7 +169,7 @@ def _sparse_de_kernel(
     at the sorted rows (the caller moves them to e2d's rows):
 
     sum over the block's kept tiles of dZ_tile @ C_tile (the first N_SLOTS from the scratch
-    slots of _kept_dz_block_kernel, block slot_blk0's first, the others recomputed)
+    slots of kept_tiles.fill_block_slots, block slot_blk0's first, the others recomputed)
     + alpha_i sum over its skipped tiles j of S_ij mean(C_j)   (S_ij from Code, encode_tile_stats)
     + coef_i c_{t_i} (the target entries, exact in fp32) [- gamma_i sum_v w_v c_v: Gamma and WC,
     or None without smoothing] [+ DEAcc[sorted row - acc_row0], the dense slabs' part (fp32, of
@@ -356,7 +198,7 @@ def _sparse_de_kernel(
         return
     offs_n = start + tl.arange(0, BLOCK_N)
     row_mask = offs_n < n_valid
-    erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
+    erow, tgt, lse, alpha, eta = block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
     offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
     acc = tl.zeros((BLOCK_N, BLOCK_DO), dtype=tl.float32)
@@ -365,7 +207,7 @@ def _sparse_de_kernel(
         j = tl.load(ListE + pid_n * (n_vtiles + 1) + k)
         offs_p, col_mask, vid = tile_cols(Perm, j, V, BLOCK_V)
         gk = tl.where(k < N_SLOTS, (pid_n - slot_blk0) * N_SLOTS + k, cap)
-        dzc, scale = _kept_dz(
+        dzc, scale = kept_dz(
             Scratch, ScaleBuf, gk, cap,
             E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
             softcap, inv_temp,
@@ -450,9 +292,9 @@ def _sparse_dc_kernel(
             blk = tl.load(ListC + pid_v * (n_blocks + 1) + k)
             offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
             row_mask = offs_n < n_valid
-            erow, tgt, lse, alpha, eta = _block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
+            erow, tgt, lse, alpha, eta = block_rows(Erow, Tgt, Lse, Alpha, Eta, offs_n, row_mask, HAS_ETA)
             gk = tl.load(Gidx + blk * n_vtiles + pid_v)
-            dzc, scale = _kept_dz(
+            dzc, scale = kept_dz(
                 Scratch, ScaleBuf, gk, cap,
                 E, C, Bias, erow, vid, tgt, lse, alpha, eta, row_mask, col_mask, D, stride_e, stride_c,
                 softcap, inv_temp,
@@ -514,7 +356,7 @@ class _DeSlots(NamedTuple):
 
 
 def _de_slots(g: _Geometry, e2d: torch.Tensor, plan: SparsePlan, stash: torch.Tensor, S: int) -> _DeSlots:
-    """The dE writer's kept-tile slots (_DeSlots), filled with their dZ by _kept_dz_block_kernel."""
+    """The dE writer's kept-tile slots (_DeSlots), filled with their dZ by kept_tiles.fill_block_slots."""
     cfg, dev, n_blocks, BN, BV = g.cfg, e2d.device, g.n_blocks, g.cfg.BLOCK_N, g.cfg.BLOCK_V
     tile = BN * BV
     code_in_stash = shares_memory(plan.code, stash)
@@ -532,10 +374,7 @@ def _de_slots(g: _Geometry, e2d: torch.Tensor, plan: SparsePlan, stash: torch.Te
     slot_scale = torch.empty(n_blocks * S, dtype=torch.float32, device=dev) if g.scale_dz else None
     if S > 0:
         with g.ctx:
-            _kept_dz_block_kernel[(n_blocks, S)](
-                ListE=plan.list_e, CntE=plan.cnt_e, Scratch=slots, ScaleBuf=slot_scale,
-                BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **g.common,
-            )  # fmt: skip
+            fill_block_slots(plan.list_e, plan.cnt_e, slots, slot_scale, S, cfg, g.common)
     return _DeSlots(slots, slot_scale, S, slots_in_stash, code_in_stash, protect, free)
 
 
@@ -559,10 +398,7 @@ def _write_dc(
     scalebuf = torch.empty(cap, dtype=torch.float32, device=dev) if g.scale_dz else None
     if g.N > 0 and cap > 0:
         with g.ctx:
-            _kept_dz_kernel[(cap,)](
-                KList=plan.klist, NKept=plan.n_kept, Scratch=scratch, ScaleBuf=scalebuf,
-                BLOCK_D=cfg.BLOCK_D, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **g.common,
-            )  # fmt: skip
+            fill_kept_slots(plan.klist, plan.n_kept, scratch, scalebuf, cfg, g.common)
     dC = torch.empty(c.shape, dtype=c.dtype, device=dev)
     pending = plan.fo_pending
     fo_flag = plan.fo.flag if plan.fo is not None else None if pending is None else pending.flag
