@@ -36,7 +36,7 @@ from .common import (
     split_dot,
     tile_cols,
 )
-from .dc_skipped import rank1_rows, write_skipped_dc
+from .dc_skipped import class_ends, kept_target_sums, rank1_rows, write_skipped_dc
 from .dense_slabs import DenseSlabRun
 from .first_order import FirstOrder, add_dc_first_order
 from .kept_tiles import block_rows, fill_block_slots, fill_kept_slots, kept_dz
@@ -260,8 +260,8 @@ def _sparse_de_kernel(
 @triton.jit
 def _sparse_dc_kernel(
     E, C, Bias, W, Erow, Tgt, Perm, NValid, Lse, Alpha, Eta, ListC, CntC, TList, TCnt, Seg, TRow, TPos, TCoef,
-    Q, G, GE, Gidx, Scratch, ScaleBuf, GFlag, dC,
-    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, inv_temp, cap,
+    TSum, Q, G, GE, Gidx, Scratch, ScaleBuf, GFlag, dC,
+    V, D, stride_e, stride_c, stride_dc, stride_g, n_blocks, n_vtiles, softcap, inv_temp, cap, n_sums,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_SMOOTH: tl.constexpr,
     HAS_WEIGHT: tl.constexpr, HAS_ETA: tl.constexpr, HAS_FO: tl.constexpr, SCALE_DZ: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DO: tl.constexpr,
@@ -272,8 +272,9 @@ def _sparse_dc_kernel(
     sum over the tile's kept token blocks of dZ_tile^T @ E_block (recomputed)
     + q_v G_j (the skipped blocks' mass sum_i alpha_i S_ij e_i, spread by q within the tile;
       uniformly, 1 / |j|, where GFlag is nonzero: the first-order terms carry the rest)
-    + sum over the rows i with t_i in the tile of coef_i e_i (to fp32 accuracy: common.add_dc_targets)
-      [- w_v sum_i gamma_i e_i].
+    + sum over the rows i with t_i in the tile of coef_i e_i (to fp32 accuracy: TSum's fp32 sums,
+      dc_skipped.kept_target_sums, for the first n_sums of these tiles; common.add_dc_targets for
+      the others) [- w_v sum_i gamma_i e_i].
 
     The tiles are TList's first TCnt (those with a kept block; none is in a dense slab, whose
     tiles keep no block); dc_skipped.py writes the others. Persistent programs take the
@@ -310,10 +311,16 @@ def _sparse_dc_kernel(
             Q, G, GFlag, W, GE, offs_p, pid_v.to(tl.int64), vid, col_mask, offs_do, dmask, V, stride_g,
             HAS_FO, HAS_SMOOTH, HAS_WEIGHT, BLOCK_V, False,
         )  # fmt: skip
-        acc = add_dc_targets(
-            acc, Seg, TRow, TPos, TCoef, E, pid_v, pid_v * BLOCK_V, offs_do, dmask, stride_e, BLOCK_V,
-            BLOCK_R, SPLIT_DOT,
-        )  # fmt: skip
+        rank = w // n_dchunks  # (the tile's rank in TList)
+        if rank < n_sums:
+            lanes = (rank * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+            tmask = col_mask[:, None] & dmask[None, :]
+            acc += tl.load(TSum + lanes[:, None] * D + offs_do[None, :], mask=tmask, other=0.0)
+        else:
+            acc = add_dc_targets(
+                acc, Seg, TRow, TPos, TCoef, E, pid_v, pid_v * BLOCK_V, offs_do, dmask, stride_e, BLOCK_V,
+                BLOCK_R, SPLIT_DOT,
+            )  # fmt: skip
         tl.store(
             dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
             mask=col_mask[:, None] & dmask[None, :],
@@ -405,10 +412,17 @@ def _write_dc(
     if g.n_vtiles == 0:
         return dC
     tlist, tcnt = compact_lists((plan.cnt_c > 0)[None, :])  # the tiles with kept blocks
-    # Those tiles' programs are few and long (the frequent classes' target rows, the kept
-    # tiles); on CUDA they run on a second stream beside the other tiles' (dc_skipped.py), which
-    # write other rows of dC and read what both read. Its higher priority lets their programs
-    # take SMs first; the others' many short programs fill the rest.
+    tend = class_ends(plan.tpos)
+    with g.ctx:
+        # Their target sums first (the frequent classes' thousands of rows, a vector loop per
+        # class): the recompute below then has only its kept blocks as its long path.
+        tsum, _ = kept_target_sums(
+            e2d, g.common["V"], plan.cnt_c, plan.seg, plan.trow, plan.tpos, plan.tcoef, tend, BV
+        )
+    # Those tiles' programs are few and long (the kept tiles); on CUDA they run on a second
+    # stream beside the other tiles' (dc_skipped.py), which write other rows of dC and read what
+    # both read. Its higher priority lets their programs take SMs first; the others' many short
+    # programs fill the rest.
     main = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     side = torch.cuda.Stream(dev, priority=-1) if main is not None else None
     if side is not None:
@@ -420,16 +434,16 @@ def _write_dc(
             items = g.n_vtiles * triton.cdiv(g.D, BDO_C)
             _sparse_dc_kernel[(min(items, 2 * num_sms(dev)),)](
                 W=weight, ListC=plan.list_c, CntC=plan.cnt_c, TList=tlist, TCnt=tcnt, Seg=plan.seg,
-                TRow=plan.trow, TPos=plan.tpos, TCoef=plan.tcoef, Q=plan.q, G=plan.g,
+                TRow=plan.trow, TPos=plan.tpos, TCoef=plan.tcoef, TSum=tsum, Q=plan.q, G=plan.g,
                 GE=plan.ge if smooth else None, Gidx=plan.gidx, Scratch=scratch, ScaleBuf=scalebuf,
-                GFlag=fo_flag, dC=dC, stride_dc=dC.stride(0), stride_g=plan.g.stride(0), n_blocks=g.n_blocks,
-                cap=cap, BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR, SPLIT_DOT=split_dot(e2d.device),
-                num_warps=warps, num_stages=1, **g.common,
+                GFlag=fo_flag, dC=dC, stride_dc=dC.stride(0), stride_g=plan.g.stride(0),
+                n_blocks=g.n_blocks, cap=cap, n_sums=tsum.shape[0], BLOCK_D=BD, BLOCK_DO=BDO_C, BLOCK_R=BR,
+                SPLIT_DOT=split_dot(e2d.device), num_warps=warps, num_stages=1, **g.common,
             )  # fmt: skip
         with g.ctx:
             write_skipped_dc(
                 dC, e2d, g.common["Perm"], plan.cnt_c, dense, plan.seg, plan.trow, plan.tpos, plan.tcoef,
-                plan.q, plan.g, fo_flag, weight, plan.ge if smooth else None, tiles_per_slab, BV,
+                tend, plan.q, plan.g, fo_flag, weight, plan.ge if smooth else None, tiles_per_slab, BV,
             )  # fmt: skip
     finally:
         if side is not None:

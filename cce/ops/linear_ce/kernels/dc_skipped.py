@@ -123,14 +123,18 @@ def _dc_rank1_kernel(
 @triton.heuristics(_FLAGS)
 @triton.jit
 def _dc_target_classes_kernel(
-    E, Perm, CntC, Dense, Seg, TRow, TPos, TCoef, TEnd, Q, G, GFlag, W, GE, dC,
-    V, D, stride_e, stride_dc, stride_g, n_vtiles, tiles_per_slab,
+    E, Perm, CntC, Dense, Seg, TRow, TPos, TCoef, TEnd, Q, G, GFlag, W, GE, dC, HRank, TSum,
+    V, D, stride_e, stride_dc, stride_g, n_vtiles, tiles_per_slab, n_sums,
     HAS_DENSE: tl.constexpr, HAS_FO: tl.constexpr, HAS_SMOOTH: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_DO: tl.constexpr,
+    SUMS: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr,
+    BLOCK_DO: tl.constexpr,
 ):  # fmt: skip
     """dC[v, one D chunk] = sum_{i: t_i = v} coef_i e_i + q_p G_j [- w_v ge] for the classes v whose
     first row (TPos: the valid rows' target positions, sorted) lies in this program's group of
-    BLOCK_R rows, in tiles without a kept block and outside dense slabs (module docstring)."""
+    BLOCK_R rows, in tiles without a kept block and outside dense slabs (module docstring).
+    With SUMS instead: the target sums alone, fp32, of the classes in the first n_sums tiles with
+    kept blocks (HRank: each tile's rank among those), into TSum [n_sums, BLOCK_V, D] at (rank,
+    lane in the tile)."""
     n_dchunks = tl.cdiv(D, BLOCK_DO)
     r0 = (tl.program_id(0) // n_dchunks) * BLOCK_R
     pid_d = tl.program_id(0) % n_dchunks
@@ -141,8 +145,14 @@ def _dc_target_classes_kernel(
     pos = tl.load(TPos + offs_r, mask=rm, other=-1)
     prev = tl.load(TPos + offs_r - 1, mask=rm & (offs_r > 0), other=-1)
     start = rm & (pos != prev)  # a class's first row: its lane (positions are >= 0)
-    if tl.max(start.to(tl.int32), 0) == 0:
-        return  # (no class starts here: the rows belong to a class an earlier program owns)
+    tile = (tl.where(start, pos, 0) // BLOCK_V).to(tl.int64)
+    if SUMS:
+        rank = tl.load(HRank + tile)
+        ok = start & (tl.load(CntC + tile) != 0) & (rank < n_sums)
+    else:
+        ok = start & _own_tiles(CntC, Dense, tile, tiles_per_slab, HAS_DENSE)  # the lanes written here
+    if tl.max(ok.to(tl.int32), 0) == 0:
+        return  # (no class here to write: they began in an earlier group, or are the other writers')
     offs_do = pid_d * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
     row = tl.load(TRow + offs_r, mask=rm, other=0).to(tl.int64)
@@ -153,8 +163,9 @@ def _dc_target_classes_kernel(
     # in an earlier group matches no lane
     onehot = tl.where(start[:, None] & rm[None, :] & (pos[:, None] == pos[None, :]), 1.0, 0.0)
     acc = tl.dot(onehot, x, input_precision="ieee")  # [BLOCK_R, BLOCK_DO]
-    # The last class starting here may go on past the group: its rows up to TEnd (exclusive).
-    last = tl.max(tl.where(start, ar, -1), 0)
+    # The last class written here may go on past the group: its rows up to TEnd (exclusive; within
+    # the group where a later class starts in it).
+    last = tl.max(tl.where(ok, ar, -1), 0)
     end = tl.load(TEnd + r0 + last)
     ext = tl.zeros([BLOCK_DO], dtype=tl.float32)
     ax = tl.arange(0, BLOCK_X)
@@ -167,47 +178,95 @@ def _dc_target_classes_kernel(
         )
         ext += tl.sum(ex.to(tl.float32) * cx[:, None], axis=0)
     acc += tl.where(ar[:, None] == last, ext[None, :], 0.0)
-    tile = (tl.where(start, pos, 0) // BLOCK_V).to(tl.int64)
-    ok = start & _own_tiles(CntC, Dense, tile, tiles_per_slab, HAS_DENSE)
-    vid = tl.load(Perm + tl.where(ok, pos, 0), mask=ok, other=0).to(tl.int64)
-    acc += rank1_rows(
-        Q, G, GFlag, W, GE, tl.where(ok, pos, 0), tile, vid, ok, offs_do, dmask, V, stride_g,
-        HAS_FO, HAS_SMOOTH, HAS_WEIGHT, BLOCK_V, True,
+    if SUMS:
+        # (no tl.where on ok here: triton 3.6's layout pass fails on that select; the store's mask
+        # covers the lanes that are not written)
+        slot = rank.to(tl.int64) * BLOCK_V + (tl.where(start, pos, 0) - tile * BLOCK_V)
+        tl.store(TSum + slot[:, None] * D + offs_do[None, :], acc, mask=ok[:, None] & dmask[None, :])
+    else:
+        vid = tl.load(Perm + tl.where(ok, pos, 0), mask=ok, other=0).to(tl.int64)
+        acc += rank1_rows(
+            Q, G, GFlag, W, GE, tl.where(ok, pos, 0), tile, vid, ok, offs_do, dmask, V, stride_g,
+            HAS_FO, HAS_SMOOTH, HAS_WEIGHT, BLOCK_V, True,
+        )  # fmt: skip
+        tl.store(
+            dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
+            mask=ok[:, None] & dmask[None, :],
+        )  # fmt: skip
+
+
+# fp32 bytes of the target sums that the class kernel forms for the tiles with kept blocks
+# (kept_target_sums): whole tiles of BLOCK_V x D, at least one.
+KEPT_SUMS_BYTES = 8 << 20
+
+
+def kept_sum_tiles(BLOCK_V: int, D: int, n_vtiles: int) -> int:
+    """Tiles with kept blocks whose target sums kept_target_sums forms (KEPT_SUMS_BYTES)."""
+    return max(1, min(n_vtiles, KEPT_SUMS_BYTES // max(1, BLOCK_V * D * 4)))
+
+
+def class_ends(tpos: torch.Tensor) -> torch.Tensor:
+    """Each sorted target row's class end (exclusive), int32: a class's rows are consecutive."""
+    return torch.searchsorted(tpos, tpos, right=True, out_int32=True)
+
+
+def _class_launch(e2d, seg, trow, tpos, tcoef, tend, BLOCK_V: int, D: int, **kw) -> None:
+    """One _dc_target_classes_kernel launch over every group of sorted target rows."""
+    _, BR, BX, BDO2, warps = dc_skipped_config()
+    _dc_target_classes_kernel[(triton.cdiv(tpos.numel(), BR) * triton.cdiv(D, BDO2),)](
+        E=e2d, Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, TEnd=tend, stride_e=e2d.stride(0),
+        n_vtiles=triton.cdiv(kw["V"], BLOCK_V), D=D, BLOCK_V=BLOCK_V, BLOCK_R=BR, BLOCK_X=BX,
+        BLOCK_DO=BDO2, num_warps=warps, **kw,
     )  # fmt: skip
-    tl.store(
-        dC + vid[:, None] * stride_dc + offs_do[None, :], acc.to(dC.dtype.element_ty),
-        mask=ok[:, None] & dmask[None, :],
-    )  # fmt: skip
+
+
+def kept_target_sums(
+    e2d: torch.Tensor, V: int, cnt_c: torch.Tensor, seg: torch.Tensor, trow: torch.Tensor,
+    tpos: torch.Tensor, tcoef: torch.Tensor, tend: torch.Tensor, BLOCK_V: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(tsum, hrank): fp32 [n, BLOCK_V, D], the target sums sum_{i: t_i = v} coef_i e_i of the
+    classes of the first n = kept_sum_tiles tiles with kept blocks, by their rank among those
+    and lane (0 where no row targets the class), and each tile's rank (int32)."""
+    D = e2d.shape[1]
+    n_vtiles = triton.cdiv(V, BLOCK_V)
+    n = kept_sum_tiles(BLOCK_V, D, n_vtiles)
+    tsum = torch.zeros((n, BLOCK_V, D), dtype=torch.float32, device=e2d.device)
+    hrank = torch.cumsum(cnt_c > 0, 0, dtype=torch.int32) - 1
+    if tpos.numel() > 0 and D > 0:
+        _class_launch(
+            e2d, seg, trow, tpos, tcoef, tend, BLOCK_V, D, Perm=None, CntC=cnt_c, Dense=None, Q=None,
+            G=None, GFlag=None, W=None, GE=None, dC=None, HRank=hrank, TSum=tsum, V=V, stride_dc=0,
+            stride_g=0, tiles_per_slab=1, n_sums=n, SUMS=True,
+        )  # fmt: skip
+    return tsum, hrank
 
 
 def write_skipped_dc(
     dC: torch.Tensor, e2d: torch.Tensor, perm: torch.Tensor, cnt_c: torch.Tensor, dense: torch.Tensor | None,
-    seg: torch.Tensor, trow: torch.Tensor, tpos: torch.Tensor, tcoef: torch.Tensor, q: torch.Tensor,
-    G: torch.Tensor, fo_flag: torch.Tensor | None, weight: torch.Tensor | None, ge: torch.Tensor | None,
-    tiles_per_slab: int, BLOCK_V: int,
+    seg: torch.Tensor, trow: torch.Tensor, tpos: torch.Tensor, tcoef: torch.Tensor, tend: torch.Tensor,
+    q: torch.Tensor, G: torch.Tensor, fo_flag: torch.Tensor | None, weight: torch.Tensor | None,
+    ge: torch.Tensor | None, tiles_per_slab: int, BLOCK_V: int,
 ) -> None:  # fmt: skip
     """dC's rows of the tiles without a kept block (cnt_c, the kept blocks per tile) outside the
     dense slabs (``dense``, int8 per slab of ``tiles_per_slab`` tiles, or None), in two launches
     (module docstring). seg / trow / tpos / tcoef: the valid rows sorted by their target's sorted
-    position (backward_sparse.SparsePlan); ``fo_flag``: the first-order terms' flag, or None;
-    ``ge``: the smoothing sum (fp32 [D]) or None, ``weight`` the class weights or None."""
+    position (backward_sparse.SparsePlan), tend their class ends (class_ends); ``fo_flag``: the
+    first-order terms' flag, or None; ``ge``: the smoothing sum (fp32 [D]) or None, ``weight``
+    the class weights or None."""
     V, D = dC.shape
     n_vtiles = triton.cdiv(V, BLOCK_V)
     if n_vtiles == 0 or D == 0:
         return
-    BDO1, BR, BX, BDO2, warps = dc_skipped_config()
+    BDO1, _, _, _, warps = dc_skipped_config()
     common = dict(
-        Perm=perm, CntC=cnt_c, Dense=dense, Q=q, G=G, GFlag=fo_flag, W=weight, GE=ge, dC=dC, V=V, D=D,
-        stride_dc=dC.stride(0), stride_g=G.stride(0), tiles_per_slab=tiles_per_slab, BLOCK_V=BLOCK_V,
-        num_warps=warps,
+        Perm=perm, CntC=cnt_c, Dense=dense, Q=q, G=G, GFlag=fo_flag, W=weight, GE=ge, dC=dC, V=V,
+        stride_dc=dC.stride(0), stride_g=G.stride(0), tiles_per_slab=tiles_per_slab,
     )  # fmt: skip
-    _dc_rank1_kernel[(n_vtiles * triton.cdiv(D, BDO1),)](BLOCK_DO=BDO1, **common)
-    N = tpos.numel()
-    if N == 0:
-        return
-    # Each row's class end (exclusive): rows of one class are consecutive in the sorted order.
-    tend = torch.searchsorted(tpos, tpos, right=True, out_int32=True)
-    _dc_target_classes_kernel[(triton.cdiv(N, BR) * triton.cdiv(D, BDO2),)](
-        E=e2d, Seg=seg, TRow=trow, TPos=tpos, TCoef=tcoef, TEnd=tend, stride_e=e2d.stride(0),
-        n_vtiles=n_vtiles, BLOCK_R=BR, BLOCK_X=BX, BLOCK_DO=BDO2, **common,
-    )  # fmt: skip
+    _dc_rank1_kernel[(n_vtiles * triton.cdiv(D, BDO1),)](
+        D=D, BLOCK_V=BLOCK_V, BLOCK_DO=BDO1, num_warps=warps, **common
+    )
+    if tpos.numel() > 0:
+        _class_launch(
+            e2d, seg, trow, tpos, tcoef, tend, BLOCK_V, D, HRank=None, TSum=None, n_sums=0, SUMS=False,
+            **common,
+        )  # fmt: skip
