@@ -24,6 +24,7 @@ from .host_peek import HostPeek
 from .kernels import backward_sparse as KS
 from .kernels.backward_exact import fp16_dz_bound, linear_ce_backward_exact
 from .kernels.common import compact_lists, inverse_permutation, stats_blocks, tile_sizes
+from .kernels.dc_skipped import KEPT_SUMS_BYTES
 from .kernels.first_order import FirstOrder, gram, normalized
 from .kernels.sparse_plan import PendingFirstOrder, SparsePlan, kept_scratch_tiles
 from .kernels.stash import stash_code
@@ -130,6 +131,7 @@ def sparse_backward(
     slab_error_dc: float = _T.slab_error_dc, dense_slab_bytes: int = _T.dense_slab_bytes,
     first_order: bool = _T.first_order, host_gating: bool = _T.host_gating, u=None, delta=None,
     entropy=None, order=None, n_valid=None, cmeans=None, temperature: float = 1.0,
+    kept_sums_bytes: int = KEPT_SUMS_BYTES,
 ):  # fmt: skip
     """(dE, dC) in e2d's / c's dtype from the forward's encoded tile statistics (a SparsePlan);
     ``u``: an upstream gradient on the target logit (a log-probability output), else None;
@@ -152,6 +154,8 @@ def sparse_backward(
     leave the plan and are done exactly by GEMM-shaped kernels (kernels/dense_slabs.py); values
     of 1 or more turn a rule off. The keyword defaults are Tuning's, except ``dense_slabs`` (off
     here: the sparse backward alone unless asked; the custom op passes Tuning's, on by default).
+    ``kept_sums_bytes``: the dC writer's fp32 scratch of the target sums of its first tiles with
+    kept blocks (kernels/dc_skipped.py, kept_target_sums).
 
     With ``first_order`` as well (and the error rule on), the device may apply the skipped
     tiles' first-order terms instead of (some) dense slabs, where they cost less
@@ -214,7 +218,7 @@ def sparse_backward(
         softcap, need_de, need_dc, stash, src, release=not return_plan, de_block_slots=de_block_slots,
         move_bytes=move_bytes, dense=rule.dense, tiles_per_slab=sp.tiles_per_slab, eta=st.eta_s,
         dz_bound=dz_bound, cm=cm_fwd if rule.cm is None else rule.cm, decided=rule.decided,
-        temperature=temperature, block_bytes=dense_slab_bytes,
+        temperature=temperature, block_bytes=dense_slab_bytes, kept_sums_bytes=kept_sums_bytes,
     )  # fmt: skip
     if return_plan:
         return dE, dC, plan

@@ -36,7 +36,7 @@ from .common import (
     split_dot,
     tile_cols,
 )
-from .dc_skipped import class_ends, kept_target_sums, rank1_rows, write_skipped_dc
+from .dc_skipped import KEPT_SUMS_BYTES, class_ends, kept_target_sums, rank1_rows, write_skipped_dc
 from .dense_slabs import DenseSlabRun
 from .first_order import FirstOrder, add_dc_first_order
 from .kept_tiles import block_rows, fill_block_slots, fill_kept_slots, kept_dz
@@ -388,11 +388,12 @@ def _de_slots(g: _Geometry, e2d: torch.Tensor, plan: SparsePlan, stash: torch.Te
 def _write_dc(
     g: _Geometry, e2d: torch.Tensor, c: torch.Tensor, weight: torch.Tensor | None, plan: SparsePlan,
     stash: torch.Tensor | None, de: _DeSlots | None, dense: torch.Tensor | None, tiles_per_slab: int,
-    smooth: bool,
+    smooth: bool, sums_bytes: int,
 ) -> torch.Tensor:  # fmt: skip
     """dC, newly allocated: the tiles without kept blocks by dc_skipped.write_skipped_dc, then
     those with them by _sparse_dc_kernel, whose first kept tiles' dZ go first into a scratch:
-    the stash's head with ``de`` (dE wanted), else a buffer of its own."""
+    the stash's head with ``de`` (dE wanted), else a buffer of its own; the target sums of the
+    first of those tiles within ``sums_bytes`` (dc_skipped.kept_target_sums) before them."""
     cfg, dev, BN, BV = g.cfg, e2d.device, g.cfg.BLOCK_N, g.cfg.BLOCK_V
     tile = BN * BV
     BD, _, BDO_C, _, BR, warps = sparse_config()
@@ -417,7 +418,7 @@ def _write_dc(
         # Their target sums first (the frequent classes' thousands of rows, a vector loop per
         # class): the recompute below then has only its kept blocks as its long path.
         tsum, _ = kept_target_sums(
-            e2d, g.common["V"], plan.cnt_c, plan.seg, plan.trow, plan.tpos, plan.tcoef, tend, BV
+            e2d, g.common["V"], plan.cnt_c, plan.seg, plan.trow, plan.tpos, plan.tcoef, tend, BV, sums_bytes
         )
     # Those tiles' programs are few and long (the kept tiles); on CUDA they run on a second
     # stream beside the other tiles' (dc_skipped.py), which write other rows of dC and read what
@@ -528,7 +529,7 @@ def linear_ce_backward_sparse(
     de_block_slots: int = 2, move_bytes: int = 8 << 20, dense: torch.Tensor | None = None,
     tiles_per_slab: int = 1, eta: torch.Tensor | None = None, dz_bound: torch.Tensor | None = None,
     cm: torch.Tensor | None = None, temperature: float = 1.0, decided: HostPeek | None = None,
-    block_bytes: int = 256 << 20,
+    block_bytes: int = 256 << 20, kept_sums_bytes: int = KEPT_SUMS_BYTES,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """(dE, dC), each value rounded once into its storage: dE into ``stash`` (e2d's shape and
     dtype; the codes plan.code may be its tail, see stash_code), which is returned; dC newly
@@ -566,6 +567,9 @@ def linear_ce_backward_sparse(
     ``temperature``: the logits are softcap(x) / T in the recomputed tiles; the coefficients
     (alpha, eta, plan.coef) carry the chain rule's 1 / T already, and the plan's statistics are
     those of the tempered logits (the forward's).
+
+    ``kept_sums_bytes``: the fp32 scratch of the target sums of the first tiles with kept blocks
+    (dc_skipped.kept_target_sums; the other such tiles sum their target rows themselves).
     """
     check_inputs(e2d, c, bias, weight, erow, tgt, perm, n_valid, lse, alpha, gamma, eta)
     N = erow.numel()
@@ -576,7 +580,9 @@ def linear_ce_backward_sparse(
         if stash is None or src is None or stash.shape != e2d.shape or stash.dtype != e2d.dtype:
             raise ValueError("need_de needs a stash of e2d's shape and dtype and its row map src")
         de = _de_slots(g, e2d, plan, stash, de_block_slots if N > 0 else 0)
-    dC = _write_dc(g, e2d, c, weight, plan, stash, de, dense, tiles_per_slab, smooth) if need_dc else None
+    dC = None
+    if need_dc:
+        dC = _write_dc(g, e2d, c, weight, plan, stash, de, dense, tiles_per_slab, smooth, kept_sums_bytes)
     fo, dense, slabs = _decisions(plan, dense, decided)
     slab_run = None
     if dense is not None:

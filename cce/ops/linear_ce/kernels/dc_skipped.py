@@ -200,9 +200,11 @@ def _dc_target_classes_kernel(
 KEPT_SUMS_BYTES = 8 << 20
 
 
-def kept_sum_tiles(BLOCK_V: int, D: int, n_vtiles: int) -> int:
-    """Tiles with kept blocks whose target sums kept_target_sums forms (KEPT_SUMS_BYTES)."""
-    return max(1, min(n_vtiles, KEPT_SUMS_BYTES // max(1, BLOCK_V * D * 4)))
+def kept_sum_tiles(BLOCK_V: int, D: int, n_vtiles: int, max_bytes: int = KEPT_SUMS_BYTES) -> int:
+    """Tiles with kept blocks whose target sums kept_target_sums forms: whole fp32 tiles within
+    ``max_bytes``, at least one unless it is 0."""
+    fit = max_bytes // max(1, BLOCK_V * D * 4)
+    return min(n_vtiles, max(fit, 1 if max_bytes > 0 else 0))
 
 
 def class_ends(tpos: torch.Tensor) -> torch.Tensor:
@@ -223,16 +225,17 @@ def _class_launch(e2d, seg, trow, tpos, tcoef, tend, BLOCK_V: int, D: int, **kw)
 def kept_target_sums(
     e2d: torch.Tensor, V: int, cnt_c: torch.Tensor, seg: torch.Tensor, trow: torch.Tensor,
     tpos: torch.Tensor, tcoef: torch.Tensor, tend: torch.Tensor, BLOCK_V: int,
+    max_bytes: int = KEPT_SUMS_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(tsum, hrank): fp32 [n, BLOCK_V, D], the target sums sum_{i: t_i = v} coef_i e_i of the
-    classes of the first n = kept_sum_tiles tiles with kept blocks, by their rank among those
+    classes of the first n = kept_sum_tiles(..., max_bytes) tiles with kept blocks, by their rank among those
     and lane (0 where no row targets the class), and each tile's rank (int32)."""
     D = e2d.shape[1]
     n_vtiles = triton.cdiv(V, BLOCK_V)
-    n = kept_sum_tiles(BLOCK_V, D, n_vtiles)
+    n = kept_sum_tiles(BLOCK_V, D, n_vtiles, max_bytes)
     tsum = torch.zeros((n, BLOCK_V, D), dtype=torch.float32, device=e2d.device)
     hrank = torch.cumsum(cnt_c > 0, 0, dtype=torch.int32) - 1
-    if tpos.numel() > 0 and D > 0:
+    if n > 0 and tpos.numel() > 0 and D > 0:
         _class_launch(
             e2d, seg, trow, tpos, tcoef, tend, BLOCK_V, D, Perm=None, CntC=cnt_c, Dense=None, Q=None,
             G=None, GFlag=None, W=None, GE=None, dC=None, HRank=hrank, TSum=tsum, V=V, stride_dc=0,
