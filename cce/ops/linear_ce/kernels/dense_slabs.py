@@ -712,11 +712,13 @@ def _slab_products_kernel(
     """Out[s, r, D chunk] = sum over the positions p of part s ([s width, (s + 1) width) of the
     sorted vocabulary; ``width`` is a part's, slab_products adds a slab's parts) of W[r, p]
     C[perm[p], D chunk], for the rows r of block program_id(2): a few rows' weighted class sums
-    (slab_choice.slab_errors), C read once per row block."""
-    s = tl.program_id(0)
+    (slab_choice.slab_errors), C read once per row block. A part's D chunks run at consecutive
+    program ids (program_id(0)): together they read its weights once from HBM (then from L2)
+    and its classes' rows of C whole."""
+    s = tl.program_id(1)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = offs_r < R
-    offs_do = tl.program_id(1) * BLOCK_DO + tl.arange(0, BLOCK_DO)
+    offs_do = tl.program_id(0) * BLOCK_DO + tl.arange(0, BLOCK_DO)
     dmask = offs_do < D
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_R, BLOCK_DO), dtype=tl.float32)
@@ -785,7 +787,7 @@ def slab_products(w: torch.Tensor, c: torch.Tensor, perm: torch.Tensor, width: i
     # fp32 weights: tf32 products on a GPU, an estimate's accuracy (the weights are formed in fp32).
     prec = "ieee" if small or not c.is_cuda else "tf32"
     with device_context(c.device):
-        _slab_products_kernel[(n_parts, d_chunks, r_blocks)](
+        _slab_products_kernel[(d_chunks, n_parts, r_blocks)](
             W=w, C=c, Perm=perm, Out=out, R=R, V=V, D=D, stride_w=w.stride(0), stride_c=c.stride(0),
             width=part, BLOCK_R=BR, BLOCK_K=BK, BLOCK_DO=BDO, PRECISION=prec, num_warps=8 if BR > 64 else 4,
         )  # fmt: skip
