@@ -417,24 +417,36 @@ def test_scratch_and_recompute_agree():
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_kept_tiles_target_sums_from_scratch_and_loop_agree(smoothing):
     """The target sums of the tiles with kept blocks come from the class kernel's fp32 scratch
-    (the first tiles within kept_sums_bytes) or from the kept-tile kernel's own loop over their
-    rows: dC agrees with the scratch all in use, in part (one tile) and off. The sums differ only
-    in their order of fp32 additions, at most about n 2^-24 of the sum of their n <= N terms'
-    magnitudes: the test allows N 2^-24 of dC's largest entry (the zipf head's classes, whose
-    rows dominate dC, are the ones with many terms; measured: 3e-8 of it). dE does not read
-    them."""
+    (the first tiles within kept_sums_bytes: a buffer of its own without dE, else the stash's
+    free head, here two tiles' worth once the dC writer's dZ slots leave it) or from the
+    kept-tile kernel's own loop over their rows: dC agrees with the scratch in full, in part
+    and off. The sums differ only in their order of fp32 additions, at most about n 2^-24 of
+    the sum of their n <= N terms' magnitudes: the test allows N 2^-24 of dC's largest entry
+    (the zipf head's classes, whose rows dominate dC, are the ones with many terms; measured:
+    3e-8 of it). dE does not read them."""
     e, c, t = zipf_inputs(64, 48, 800, dtype=torch.float32, seed=2)
     out = _fwd(e, c, None, None, t, "mean", 0.0, smoothing, 0.0, 2e-3)
     g = torch.rand(64, generator=torch.Generator().manual_seed(3)) / 64
-    args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, smoothing, 0.0, True, True, *out[2:8])
-    dE, dC, plan = sparse_backward(*args, return_plan=True)
+
+    def run(need_de, **kw):
+        args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, smoothing, 0.0, need_de, True, *out[2:8])
+        return sparse_backward(*args, return_plan=True, **kw)
+
+    _, dC, plan = run(False)
     BV = stats_blocks(e.dtype)[1]
-    assert int((plan.cnt_c > 0).sum()) >= 2  # tiles on both sides of a one-tile scratch
-    assert kept_sum_tiles(BV, 48, -(-800 // BV)) >= int((plan.cnt_c > 0).sum())  # all in the scratch
-    for sums_bytes in (BV * 48 * 4, 0):
-        dE2, dC2 = sparse_backward(*args, kept_sums_bytes=sums_bytes)
-        assert torch.equal(dE2, dE)
-        assert (dC2 - dC).abs().max() <= 64 * 2.0**-24 * dC.abs().max()
+    n_kept = int((plan.cnt_c > 0).sum())
+    assert n_kept >= 3  # tiles on both sides of a one- or two-tile scratch
+    assert kept_sum_tiles(BV, 48, -(-800 // BV)) >= n_kept  # all in the scratch of its own
+    dE, _, _ = run(True)
+    for need_de, kw in (
+        (False, {"kept_sums_bytes": BV * 48 * 4}),
+        (False, {"kept_sums_bytes": 0}),
+        (True, {}),
+        (True, {"dc_scratch_tiles": 0}),
+    ):
+        dE2, dC2, _ = run(need_de, **kw)
+        assert (dC2 - dC).abs().max() <= 64 * 2.0**-24 * dC.abs().max(), kw
+        assert dE2 is None or torch.equal(dE2, dE)
 
 
 @pytest.mark.parametrize(

@@ -385,6 +385,16 @@ def _de_slots(g: _Geometry, e2d: torch.Tensor, plan: SparsePlan, stash: torch.Te
     return _DeSlots(slots, slot_scale, S, slots_in_stash, code_in_stash, protect, free)
 
 
+def _fp32_words(stash: torch.Tensor, lo: int, hi: int) -> torch.Tensor | None:
+    """The stash's elements [lo, hi) as fp32 words (whole words from lo; lo a multiple of the
+    words' elements, as whole tiles are), or None for elements wider than 4 bytes."""
+    per = 4 // stash.element_size()
+    if per == 0:
+        return None
+    x = stash.view(-1)[lo:hi]
+    return x[: x.numel() // per * per].view(torch.float32)
+
+
 def _write_dc(
     g: _Geometry, e2d: torch.Tensor, c: torch.Tensor, weight: torch.Tensor | None, plan: SparsePlan,
     stash: torch.Tensor | None, de: _DeSlots | None, dense: torch.Tensor | None, tiles_per_slab: int,
@@ -416,10 +426,14 @@ def _write_dc(
     tend = class_ends(plan.tpos)
     with g.ctx:
         # Their target sums first (the frequent classes' thousands of rows, a vector loop per
-        # class): the recompute below then has only its kept blocks as its long path.
+        # class): the recompute below then has only its kept blocks as its long path. With dE
+        # wanted they take the stash's free head past the slots above (no memory beside the
+        # gradients; fewer tiles where less is free), else a buffer of their own.
+        space = None if de is None else _fp32_words(stash, cap * tile, de.free)
         tsum, _ = kept_target_sums(
-            e2d, g.common["V"], plan.cnt_c, plan.seg, plan.trow, plan.tpos, plan.tcoef, tend, BV, sums_bytes
-        )
+            e2d, g.common["V"], plan.cnt_c, plan.seg, plan.trow, plan.tpos, plan.tcoef, tend, BV, sums_bytes,
+            space,
+        )  # fmt: skip
     # Those tiles' programs are few and long (the kept tiles); on CUDA they run on a second
     # stream beside the other tiles' (dc_skipped.py), which write other rows of dC and read what
     # both read. Its higher priority lets their programs take SMs first; the others' many short

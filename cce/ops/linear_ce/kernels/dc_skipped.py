@@ -225,15 +225,20 @@ def _class_launch(e2d, seg, trow, tpos, tcoef, tend, BLOCK_V: int, D: int, **kw)
 def kept_target_sums(
     e2d: torch.Tensor, V: int, cnt_c: torch.Tensor, seg: torch.Tensor, trow: torch.Tensor,
     tpos: torch.Tensor, tcoef: torch.Tensor, tend: torch.Tensor, BLOCK_V: int,
-    max_bytes: int = KEPT_SUMS_BYTES,
+    max_bytes: int = KEPT_SUMS_BYTES, space: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(tsum, hrank): fp32 [n, BLOCK_V, D], the target sums sum_{i: t_i = v} coef_i e_i of the
-    classes of the first n = kept_sum_tiles(..., max_bytes) tiles with kept blocks, by their rank among those
-    and lane (0 where no row targets the class), and each tile's rank (int32)."""
+    classes of the first n = kept_sum_tiles(..., max_bytes) tiles with kept blocks (fewer where
+    ``space``, fp32 memory free for them, holds fewer: tsum is then its head), by their rank
+    among those and lane (0 where no row targets the class), and each tile's rank (int32)."""
     D = e2d.shape[1]
     n_vtiles = triton.cdiv(V, BLOCK_V)
     n = kept_sum_tiles(BLOCK_V, D, n_vtiles, max_bytes)
-    tsum = torch.zeros((n, BLOCK_V, D), dtype=torch.float32, device=e2d.device)
+    if space is None:
+        tsum = torch.zeros((n, BLOCK_V, D), dtype=torch.float32, device=e2d.device)
+    else:
+        n = min(n, space.numel() // max(1, BLOCK_V * D))
+        tsum = space[: n * BLOCK_V * D].view(n, BLOCK_V, D).zero_()
     hrank = torch.cumsum(cnt_c > 0, 0, dtype=torch.int32) - 1
     if n > 0 and tpos.numel() > 0 and D > 0:
         _class_launch(
