@@ -429,7 +429,8 @@ def test_kept_tiles_target_sums_from_scratch_and_loop_agree(smoothing):
     g = torch.rand(64, generator=torch.Generator().manual_seed(3)) / 64
 
     def run(need_de, **kw):
-        args = (e, c, None, None, None, t, out[1], g, None, -100, 0.0, smoothing, 0.0, need_de, True, *out[2:8])
+        loss = (-100, 0.0, smoothing, 0.0)  # ignore_index, softcap, label_smoothing, z_loss
+        args = (e, c, None, None, None, t, out[1], g, None, *loss, need_de, True, *out[2:8])
         return sparse_backward(*args, return_plan=True, **kw)
 
     _, dC, plan = run(False)
