@@ -93,14 +93,14 @@ def to_e_rows(stash: torch.Tensor, src: torch.Tensor, move_bytes: int) -> None:
     M, D = stash.shape
     step = max(1, move_bytes // max(1, D * stash.element_size()))
     # Two ops per block (host time of a step at small N): the rows of src < 0 read row 0 and
-    # are zeroed as the block is written back (no pass over the whole stash for them).
-    gone, src = (src < 0)[:, None], src.clamp(min=0)
-    zero = stash.new_zeros(())
+    # are zeroed by one pass at the end.
+    gone, src = src < 0, src.clamp(min=0)
     for r1 in range(M, 0, -step):
         r0 = max(0, r1 - step)
         tmp = stash.index_select(0, src[r0:r1])
-        torch.where(gone[r0:r1], zero, tmp, out=stash[r0:r1])
+        stash[r0:r1] = tmp
         del tmp  # before the next block's temporary is allocated (else two are alive at once)
+    stash.masked_fill_(gone[:, None], 0)
 
 
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
