@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from ...._dispatch import interpreting, num_sms
-from ... import jit_math as jm
 from ...launch import cached_launch
 from .backward_exact import exact_block_rows
 from .common import (
@@ -60,6 +59,7 @@ from .common import (
     use_tma,
 )
 from .dc_accumulate import dense_dc16_scale, scaled_fp16_sum
+from .dz import nontarget_dz
 
 
 def dense_config(tma: bool = False) -> tuple[int, int, int, int, int]:
@@ -86,22 +86,13 @@ def _store_slab_dz(
     tgt = tl.load(Tgt + offs_n, mask=row_mask, other=-1).to(tl.int64)
     lse = tl.load(Lse + offs_n, mask=row_mask, other=0.0)
     alpha = tl.load(Alpha + offs_n, mask=row_mask, other=0.0)
-    if HAS_BIAS:
-        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        L, th = jm.softcap(L, softcap)
-    if HAS_TEMP:  # the logits softcap(x) / T (the coefficients carry the chain rule's 1 / T)
-        L = L * inv_temp
-    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
+    eta = alpha  # (read only with HAS_ETA)
     if HAS_ETA:
         eta = tl.load(Eta + offs_n, mask=row_mask, other=0.0)
-        p = tl.exp(L - lse[:, None])
-        # (L where p > 0: a class a -inf bias masks gets 0, not 0 * -inf)
-        dz = tl.where(nt, p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0)), 0.0)
-    else:
-        dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
-    if HAS_SOFTCAP:
-        dz *= 1.0 - th * th
+    dz = nontarget_dz(
+        L, Bias, vid, tgt, lse, alpha, eta, row_mask, col_mask, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP,
+        HAS_TEMP, HAS_ETA,
+    )  # fmt: skip
     if SCALE_DZ:
         dz *= tl.load(Inv)
     cols = col0 + tl.arange(0, BLOCK_V)

@@ -1,4 +1,6 @@
-"""The dZ tile of the dense backward kernels: its formation and its rounding to the operand dtype.
+"""The dZ tile of the backward kernels: its formation and its rounding to the operand dtype
+(nontarget_dz: the non-target entries alone, for the kernels that add the target entries
+themselves, the sparse backward's kept tiles and the dense slabs).
 
 dZ = (alpha p - beta [v == t] [- gamma w]) softcap' per tile (cce/_math.py gives alpha, beta,
 gamma; the exact backward adds the entropy's term eta p z and a temperature). The target term
@@ -25,6 +27,35 @@ import triton.language as tl
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import device_context
+
+
+@triton.jit
+def nontarget_dz(
+    L, Bias, vid, tgt, lse, alpha, eta, row_mask, col_mask, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ETA: tl.constexpr,
+):  # fmt: skip
+    """dZ at the non-target entries of a logit tile L [BLOCK_N, BLOCK_V] (classes vid, the rows'
+    targets tgt; bias not yet added, softcap not yet applied), fp32, 0 at the targets and outside
+    row_mask x col_mask: p (alpha [+ eta z]) softcap', p = exp(z - lse), z = softcap(L + b)
+    [* inv_temp] (HAS_ETA: the entropy's term; HAS_TEMP: the coefficients carry the
+    temperature's factor already; cce/_math.py). The kernels that add the target entries' exact
+    terms in fp32 themselves (the sparse backward's kept tiles, the dense slabs) form it here."""
+    if HAS_BIAS:
+        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        L, th = jm.softcap(L, softcap)
+    if HAS_TEMP:
+        L = L * inv_temp
+    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
+    if HAS_ETA:
+        p = tl.exp(L - lse[:, None])
+        # (L where p > 0: a class a -inf bias masks gets 0, not 0 * -inf)
+        dz = tl.where(nt, p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0)), 0.0)
+    else:
+        dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)  # [BLOCK_N, BLOCK_V]
+    if HAS_SOFTCAP:
+        dz *= 1.0 - th * th
+    return dz
 
 
 @triton.jit

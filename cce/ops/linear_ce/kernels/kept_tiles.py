@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import KernelConfig, logit_tile, tile_cols
+from .dz import nontarget_dz
 
 
 @triton.jit
@@ -47,22 +47,10 @@ def _dz_tile(
     L = logit_tile(
         E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
     )  # [BLOCK_N, BLOCK_V]
-    if HAS_BIAS:
-        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
-        L += b[None, :]
-    if HAS_SOFTCAP:
-        L, th = jm.softcap(L, softcap)
-    if HAS_TEMP:  # the logits softcap(x) / T (the coefficients carry the chain rule's 1 / T)
-        L = L * inv_temp
-    nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
-    if HAS_ETA:
-        p = tl.exp(L - lse[:, None])
-        # (L where p > 0: a class a -inf bias masks gets 0, not 0 * -inf)
-        dz = tl.where(nt, p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0)), 0.0)
-    else:
-        dz = tl.where(nt, alpha[:, None] * tl.exp(L - lse[:, None]), 0.0)
-    if HAS_SOFTCAP:
-        dz *= 1.0 - th * th
+    dz = nontarget_dz(
+        L, Bias, vid, tgt, lse, alpha, eta, row_mask, col_mask, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP,
+        HAS_TEMP, HAS_ETA,
+    )  # fmt: skip
     if SCALE_DZ:
         scale = tl.max(tl.max(tl.abs(dz), axis=1), axis=0)
         scale = tl.where(scale > 0, scale, 1.0)
