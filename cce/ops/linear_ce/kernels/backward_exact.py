@@ -35,6 +35,7 @@ from .common import (
     check_inputs,
     config,
     device_context,
+    finish_logits,
     logit_tile,
     precision,
     slab_products,
@@ -118,13 +119,9 @@ def _dz_slab_tma_kernel(
         if ki == k_tiles - 1:
             offs_p = tile * BLOCK_V + tl.arange(0, BLOCK_V)
             col_mask = offs_p < V
-            L = acc
-            if HAS_BIAS:
-                L += tl.load(Bias + offs_p, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-            if HAS_SOFTCAP:
-                L, th = jm.softcap(L, softcap)
-            if HAS_TEMP:
-                L = L * inv_temp
+            L, th = finish_logits(
+                acc, Bias, offs_p, col_mask, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP
+            )  # fmt: skip
             if HAS_ETA:
                 p = jm.exp(L - lse[:, None])  # (L where p > 0: a -inf logit gets 0, not NaN)
                 dz = p * (alpha[:, None] + eta[:, None] * tl.where(p > 0, L, 0.0))

@@ -204,6 +204,24 @@ def split_dot(device: torch.device) -> bool:
 
 
 @triton.jit
+def finish_logits(
+    L, Bias, vid, col_mask, softcap, inv_temp,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMP: tl.constexpr,
+):  # fmt: skip
+    """(z, th) of a tile of products L [BLOCK_N, BLOCK_V] (classes vid, where col_mask), fp32:
+    the logits z = softcap(L + b) [* inv_temp] and th, the tanh whose 1 - th^2 is softcap' (the
+    bias added once per tile, after the whole D loop; th is L, unused, without HAS_SOFTCAP)."""
+    if HAS_BIAS:
+        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    th = L
+    if HAS_SOFTCAP:
+        L, th = jm.softcap(L, softcap)
+    if HAS_TEMP:  # the logits softcap(x) / T (the coefficients carry the chain rule's 1 / T)
+        L = L * inv_temp
+    return L, th
+
+
+@triton.jit
 def logit_tile(
     E, C, erow, vid, row_mask, col_mask, D, stride_e, stride_c,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,

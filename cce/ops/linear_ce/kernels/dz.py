@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ... import jit_math as jm
 from ...launch import cached_launch
-from .common import device_context
+from .common import device_context, finish_logits
 
 
 @triton.jit
@@ -40,12 +40,7 @@ def nontarget_dz(
     [* inv_temp] (HAS_ETA: the entropy's term; HAS_TEMP: the coefficients carry the
     temperature's factor already; cce/_math.py). The kernels that add the target entries' exact
     terms in fp32 themselves (the sparse backward's kept tiles, the dense slabs) form it here."""
-    if HAS_BIAS:
-        L += tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_SOFTCAP:
-        L, th = jm.softcap(L, softcap)
-    if HAS_TEMP:
-        L = L * inv_temp
+    L, th = finish_logits(L, Bias, vid, col_mask, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
     nt = row_mask[:, None] & col_mask[None, :] & (vid[None, :] != tgt[:, None])
     if HAS_ETA:
         p = tl.exp(L - lse[:, None])

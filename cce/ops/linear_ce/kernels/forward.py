@@ -28,6 +28,7 @@ from .common import (
     check_inputs,
     config,
     device_context,
+    finish_logits,
     inverse_permutation,
     logit_tile,
     precision,
@@ -80,13 +81,9 @@ def _fwd_tile(
             vid = tl.load(Perm + offs_p, mask=col_mask, other=0).to(tl.int64)
         else:
             vid = offs_p.to(tl.int64)
-    if HAS_BIAS:
-        b = tl.load(Bias + vid, mask=col_mask, other=0.0).to(tl.float32)
-        L += b[None, :]  # once per tile, after the whole D loop
-    if HAS_SOFTCAP:
-        L, th = jm.softcap(L, softcap)
-    if HAS_TEMP:
-        L = L * inv_temp
+    else:
+        vid = offs_p  # (unused: no bias, no weights)
+    L, th = finish_logits(L, Bias, vid, col_mask, softcap, inv_temp, HAS_BIAS, HAS_SOFTCAP, HAS_TEMP)
     if HAS_SMOOTH:
         if HAS_WEIGHT:
             w = tl.load(W + vid, mask=col_mask, other=0.0).to(tl.float32)
