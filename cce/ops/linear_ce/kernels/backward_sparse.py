@@ -430,7 +430,7 @@ def _write_dc(
         # wanted they take the stash's free head past the slots above (no memory beside the
         # gradients; fewer tiles where less is free), else a buffer of their own.
         space = None if de is None else _fp32_words(stash, cap * tile, de.free)
-        tsum, _ = kept_target_sums(
+        tsum = kept_target_sums(
             e2d, g.common["V"], plan.cnt_c, plan.seg, plan.trow, plan.tpos, plan.tcoef, tend, BV, sums_bytes,
             space,
         )  # fmt: skip

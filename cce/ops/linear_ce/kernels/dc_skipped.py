@@ -25,7 +25,10 @@ sparse dC writer's (backward_sparse._sparse_dc_kernel), and the dense slabs' til
 DenseSlabRun's: both kernels here leave them alone. Written as one kernel with the kept-tile
 recompute, every program paid for the recompute's registers (255 per thread, spilled), and the
 tiles that need only q G ran far below the write bandwidth (docs/benchmarks.md, "The sparse dC
-writer's three kernels").
+writer's three kernels"). Before both, kept_target_sums launches the class kernel once more for
+the first tiles with kept blocks: their target sums alone, in fp32, which the kept-tile kernel
+then reads instead of looping over those classes' thousands of rows itself (docs/benchmarks.md,
+"The kept tiles' target sums").
 """
 
 from __future__ import annotations
@@ -226,11 +229,11 @@ def kept_target_sums(
     e2d: torch.Tensor, V: int, cnt_c: torch.Tensor, seg: torch.Tensor, trow: torch.Tensor,
     tpos: torch.Tensor, tcoef: torch.Tensor, tend: torch.Tensor, BLOCK_V: int,
     max_bytes: int = KEPT_SUMS_BYTES, space: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(tsum, hrank): fp32 [n, BLOCK_V, D], the target sums sum_{i: t_i = v} coef_i e_i of the
-    classes of the first n = kept_sum_tiles(..., max_bytes) tiles with kept blocks (fewer where
-    ``space``, fp32 memory free for them, holds fewer: tsum is then its head), by their rank
-    among those and lane (0 where no row targets the class), and each tile's rank (int32)."""
+) -> torch.Tensor:  # fmt: skip
+    """fp32 [n, BLOCK_V, D]: the target sums sum_{i: t_i = v} coef_i e_i of the classes of the
+    first n = kept_sum_tiles(..., max_bytes) tiles with kept blocks (fewer where ``space``, fp32
+    memory free for them, holds fewer: the sums are then its head), by their tile's rank among
+    those (its place in the kept-tile kernel's list) and lane; 0 where no row targets the class."""
     D = e2d.shape[1]
     n_vtiles = triton.cdiv(V, BLOCK_V)
     n = kept_sum_tiles(BLOCK_V, D, n_vtiles, max_bytes)
@@ -239,14 +242,14 @@ def kept_target_sums(
     else:
         n = min(n, space.numel() // max(1, BLOCK_V * D))
         tsum = space[: n * BLOCK_V * D].view(n, BLOCK_V, D).zero_()
-    hrank = torch.cumsum(cnt_c > 0, 0, dtype=torch.int32) - 1
     if n > 0 and tpos.numel() > 0 and D > 0:
+        hrank = torch.cumsum(cnt_c > 0, 0, dtype=torch.int32) - 1  # each tile's rank among them
         _class_launch(
             e2d, seg, trow, tpos, tcoef, tend, BLOCK_V, D, Perm=None, CntC=cnt_c, Dense=None, Q=None,
             G=None, GFlag=None, W=None, GE=None, dC=None, HRank=hrank, TSum=tsum, V=V, stride_dc=0,
             stride_g=0, tiles_per_slab=1, n_sums=n, SUMS=True,
         )  # fmt: skip
-    return tsum, hrank
+    return tsum
 
 
 def write_skipped_dc(
