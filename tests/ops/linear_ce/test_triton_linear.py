@@ -384,12 +384,12 @@ def test_dispatch_by_size():
 @pytest.mark.parametrize("parts", [1, 3, 37])
 @pytest.mark.parametrize("smoothing", [False, True])
 def test_merge_splits_matches_the_torch_merge(parts, smoothing):
-    """forward.merge_splits against the splits' merge written in torch: rows no split wrote
+    """split_merge.merge_splits against the splits' merge written in torch: rows no split wrote
     (m = -inf, S = 0: 0), parts that never saw a row, a NaN partial in the last part (NaN: a
     non-finite logit reaches the loss), a non-finite head lse; N not a multiple of the kernel's
     row block, 37 parts not a multiple of its part block. Equal to fp32 rounding (the sums over
     parts may associate differently)."""
-    from cce.ops.linear_ce.kernels.forward import merge_splits
+    from cce.ops.linear_ce.kernels.split_merge import merge_splits
 
     N = 1500
     dev = "cuda" if torch.cuda.is_available() else "cpu"

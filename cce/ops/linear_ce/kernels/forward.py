@@ -2,7 +2,7 @@
 the logits e2d[erow] @ c.T, by an online softmax over vocabulary tiles, never storing a logit.
 
 Grid: (token block, vocabulary split); the partial statistics of the splits are merged by one O(N)
-launch (no locks). With a vocabulary order ``perm`` (training steps of the sparse backward)
+launch (no locks; split_merge.py). With a vocabulary order ``perm`` (training steps of the sparse backward)
 it also writes per (row, tile) statistics, from which tile_stats.py derives what the sparse
 backward keeps; docs/design.md states the maths and the error bound.
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...._dispatch import interpreting, num_sms
+from ...._dispatch import num_sms
 from ... import jit_math as jm
 from ...launch import cached_launch
 from .common import (
@@ -37,6 +37,7 @@ from .common import (
     tma_rows_ok,
     use_tma,
 )
+from .split_merge import merge_splits
 from .tile_stats import gather_tile_means, tile_means
 
 
@@ -63,15 +64,7 @@ def _fwd_tile(
     (the running max, or with HAS_INIT a bound above it), so that the entropy log s - hs / s
     never subtracts two numbers of the logits' size; when m grows to m',
     hs' = e^(m - m') (hs + (m - m') s); with STATS the target's term is added from zt, as for s.
-    ARGMAX keeps the running max av and the smallest id among the entries reaching it (ties
-    compared by id, so any walking order gives torch's first index); with STATS of the
-    non-target entries only (the caller compares the target, zt, at the merge).
-
-    STORE_Q (the fused exact path, kernels/fused_grads.py; not with SORTED or STATS) writes the
-    tile's q = e^(L - m') softcap'(z) in Q's dtype, m' the running max after this tile, and m'
-    itself per (row, tile) in Qm: dZ = (alpha e^(m' - lse)) q - (target and smoothing terms)
-    once lse is known. q <= 1; its rounding is relative (bf16 has fp32's exponent range, so
-    only entries below 2^-126 of the running max flush to 0).
+    ARGMAX: _tile_argmax. STATS: _store_tile_codes. STORE_Q: _store_q.
     """
     lo = tile * BLOCK_V
     offs_p = lo + tl.arange(0, BLOCK_V)
@@ -110,15 +103,7 @@ def _fwd_tile(
     # e^(m - m_new) is 0 as it is after an empty start.
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     if ARGMAX:
-        # the smallest id of the tile's max, then against the running max by value and id
-        # (int32 ids: a tile-wide int64 select and min cost a few percent of the forward)
-        if SORTED:
-            ids = vid.to(tl.int32)
-        else:
-            ids = offs_p
-        ti = tl.min(tl.where(L == mx[:, None], ids[None, :], 2147483647), axis=1)
-        amax = tl.where(mx > av, ti, tl.where(mx == av, tl.minimum(amax, ti), amax))
-        av = tl.maximum(av, mx)
+        av, amax = _tile_argmax(L, mx, vid, offs_p, av, amax, SORTED)
     dl = L - m_ref[:, None]  # [BLOCK_N, BLOCK_V], -inf at masked (and target) columns
     pe = jm.exp(dl)  # 0 at masked (and target) columns
     snt = tl.sum(pe, axis=1)
@@ -139,26 +124,67 @@ def _fwd_tile(
             ref = m_new + tl.log(s)  # the head launch walks this one tile only
         if HAS_SOFTCAP:
             snt = tl.sum(pe * (1.0 - th * th), axis=1)
-        st = tl.log(snt) + (m_new - ref)  # -inf where the tile holds no mass
-        u = mx - ref - log_eps
-        code = tl.minimum(tl.maximum(tl.ceil(u * 8.0), -1.0), 127.0)
-        # (tile + 0 * offs_n): a vector mask (the interpreter rejects scalar ones here).
-        smask = row_mask & ((tile + 0 * offs_n) < n_vtiles)
-        sptr = offs_n.to(tl.int64) * stride_st + tile
-        tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
-        tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
+        _store_tile_codes(St, Sq, snt, mx, m_new, ref, tile, offs_n, row_mask, n_vtiles, stride_st, log_eps)
     if STORE_Q:
-        q = pe
-        if HAS_SOFTCAP:
-            q = pe * (1.0 - th * th)
-        rows = offs_n.to(tl.int64)
-        qptr = Q + rows[:, None] * stride_q + offs_p[None, :]  # [BLOCK_N, BLOCK_V]
-        # Q's rows are padded to a multiple of 16 classes (stride_q): the pad's columns take
-        # q = 0 (masked logits), and a mask in steps of 16 columns keeps the store vectorized
-        # at an odd V (a mask at V made it one element per store)
-        tl.store(qptr, q.to(Q.dtype.element_ty), mask=row_mask[:, None] & (offs_p < stride_q)[None, :])
-        tl.store(Qm + rows * n_vtiles + tile, m_new, mask=row_mask)
+        _store_q(Q, Qm, pe, th, m_new, tile, offs_n, offs_p, row_mask, n_vtiles, stride_q, HAS_SOFTCAP)
     return m_new, s, ssum, ref, hs, av, amax
+
+
+@triton.jit
+def _tile_argmax(L, mx, vid, offs_p, av, amax, SORTED: tl.constexpr):
+    """(av, amax) after the tile L [BLOCK_N, BLOCK_V] whose row max is mx: the running max and
+    the smallest id among the entries reaching it (ties compared by id, so any walking order
+    gives torch's first index). With STATS the target is out of L: the caller compares it (zt)
+    at the merge."""
+    # int32 ids: a tile-wide int64 select and min cost a few percent of the forward
+    if SORTED:
+        ids = vid.to(tl.int32)
+    else:
+        ids = offs_p
+    ti = tl.min(tl.where(L == mx[:, None], ids[None, :], 2147483647), axis=1)
+    amax = tl.where(mx > av, ti, tl.where(mx == av, tl.minimum(amax, ti), amax))
+    av = tl.maximum(av, mx)
+    return av, amax
+
+
+@triton.jit
+def _store_tile_codes(St, Sq, snt, mx, m_new, ref, tile, offs_n, row_mask, n_vtiles, stride_st, log_eps):
+    """A tile j's statistics (_fwd_kernel, STATS) from its non-target mass snt = sum e^(z - m_new)
+    [softcap'] and non-target max mx, with ref = M0 (HAS_INIT) or, in the one-tile head launch,
+    the tile's own log-sum-exp (= M0):
+    - St (fp16): log sum_{v in j, v != t} exp(z_v) softcap'(z_v) - ref, the non-target mass;
+    - Sq (int8): ceil(8 u) clamped to [-1, 127], u = max_{v in j, v != t} z_v - ref - log(eps).
+      A tile's largest non-target probability reaches eps only if u >= lse - ref, so the
+      backward decides from Sq (code 127 meaning "keep") without recomputing the tile."""
+    st = tl.log(snt) + (m_new - ref)  # -inf where the tile holds no mass
+    u = mx - ref - log_eps
+    code = tl.minimum(tl.maximum(tl.ceil(u * 8.0), -1.0), 127.0)
+    # (tile + 0 * offs_n): a vector mask (the interpreter rejects scalar ones here).
+    smask = row_mask & ((tile + 0 * offs_n) < n_vtiles)
+    sptr = offs_n.to(tl.int64) * stride_st + tile
+    tl.store(St + sptr, st.to(St.dtype.element_ty), mask=smask)
+    tl.store(Sq + sptr, code.to(tl.int8), mask=smask)
+
+
+@triton.jit
+def _store_q(
+    Q, Qm, pe, th, m_new, tile, offs_n, offs_p, row_mask, n_vtiles, stride_q, HAS_SOFTCAP: tl.constexpr
+):
+    """STORE_Q (the fused exact path, kernels/fused_grads.py; not with SORTED or STATS): the
+    tile's q = e^(L - m') softcap'(z) in Q's dtype (pe = e^(L - m')), m' the running max after
+    this tile, and m' itself per (row, tile) in Qm: dZ = (alpha e^(m' - lse)) q - (target and
+    smoothing terms) once lse is known. q <= 1; its rounding is relative (bf16 has fp32's
+    exponent range, so only entries below 2^-126 of the running max flush to 0)."""
+    q = pe
+    if HAS_SOFTCAP:
+        q = pe * (1.0 - th * th)
+    rows = offs_n.to(tl.int64)
+    qptr = Q + rows[:, None] * stride_q + offs_p[None, :]  # [BLOCK_N, BLOCK_V]
+    # Q's rows are padded to a multiple of 16 classes (stride_q): the pad's columns take
+    # q = 0 (masked logits), and a mask in steps of 16 columns keeps the store vectorized
+    # at an odd V (a mask at V made it one element per store)
+    tl.store(qptr, q.to(Q.dtype.element_ty), mask=row_mask[:, None] & (offs_p < stride_q)[None, :])
+    tl.store(Qm + rows * n_vtiles + tile, m_new, mask=row_mask)
 
 
 @cached_launch
@@ -202,12 +228,8 @@ def _fwd_kernel(
     one loop runs over all (tile, D chunk) steps, so that the software pipeline already loads
     the next tile while the last one's epilogue runs. Otherwise plain loads through Erow / Perm.
 
-    STATS (training forward; see linear_ce_backward_sparse) also writes, per row and tile j, with
-    ref = M0 (HAS_INIT) or, in the one-tile head launch, the tile's own log-sum-exp (= M0):
-    - St (fp16): log sum_{v in j, v != t} exp(z_v) softcap'(z_v) - ref, the non-target mass;
-    - Sq (int8): ceil(8 u) clamped to [-1, 127], u = max_{v in j, v != t} z_v - ref - log(eps).
-      A tile's largest non-target probability reaches eps only if u >= lse - ref, so the
-      backward decides from Sq (code 127 meaning "keep") without recomputing the tile.
+    STATS (training forward; see linear_ce_backward_sparse) also writes per row and tile the
+    statistics of _store_tile_codes.
     """
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -276,6 +298,17 @@ def _fwd_kernel(
                 HAS_TEMP, ENTROPY, ARGMAX, STORE_Q, BLOCK_V,
             )  # fmt: skip
     out = pid_s * stride_part + offs_n
+    _store_partials(
+        Mx, Se, Ss, Hs, Ax, Ix, out, row_mask, m, s, ssum, hs, av, amax, HAS_SMOOTH, ENTROPY, ARGMAX
+    )
+
+
+@triton.jit
+def _store_partials(
+    Mx, Se, Ss, Hs, Ax, Ix, out, row_mask, m, s, ssum, hs, av, amax,
+    HAS_SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, ARGMAX: tl.constexpr,
+):  # fmt: skip
+    """A split's running statistics of its rows, at ``out`` (split_merge.merge_splits reads them)."""
     tl.store(Mx + out, m, mask=row_mask)
     tl.store(Se + out, s, mask=row_mask)
     if HAS_SMOOTH:
@@ -285,89 +318,6 @@ def _fwd_kernel(
     if ARGMAX:
         tl.store(Ax + out, av, mask=row_mask)
         tl.store(Ix + out, amax, mask=row_mask)
-
-
-# The splits' partial statistics merged per row i (parts p = 0 .. P-1, rows of Mx / Se / Ss):
-#
-#   M_i = max_p Mx[p, i] (NaN if any is),  done_i = M_i > -inf or NaN (false for rows no split
-#         wrote: m = -inf, S = 0),
-#   lse_i = M_i + log sum_p Se[p, i] exp(Mx[p, i] - M_i)           (0 where not done; NaN where
-#         M_i or a part's sum is: a non-finite logit reaches the loss, never a finite value),
-#   Tl_i = Zt_i, SsOut_i = sum_p Ss[p, i]                           (0 where not done),
-#   M0Out_i = M0_i where finite, else 0                             (the head tile's lse).
-#
-# Two passes over the parts (the max, then the rescaled sum), in one launch instead of about
-# fifteen torch ops (host time of a step: docs/benchmarks.md, "Host time"). A program takes
-# BLOCK rows and reads the parts BLOCK_P at a time ([BLOCK_P, BLOCK] tiles, each row of a tile
-# contiguous), so that a chunk of a few thousand rows split over a hundred or more parts (the
-# fused path's forward) still spreads over many programs with few dependent loads each; parts
-# that never saw a row add Se exp(-inf - M) = 0.
-@cached_launch
-@triton.heuristics({"HAS_SS": lambda a: a["Ss"] is not None, "HAS_M0": lambda a: a["M0"] is not None})
-@triton.jit
-def _merge_kernel(
-    Mx, Se, Ss, Zt, M0, Lse, Tl, SsOut, M0Out, N, parts, stride_part,
-    HAS_SS: tl.constexpr, HAS_M0: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    offs_p = tl.arange(0, BLOCK_P)
-    M = tl.full([BLOCK], float("-inf"), tl.float32)
-    n_nan = tl.zeros([BLOCK], tl.int32)
-    for p0 in range(0, parts, BLOCK_P):
-        # (64-bit part offsets: parts x N may pass 2^31)
-        pp = p0 + offs_p
-        ptr = (pp.to(tl.int64) * stride_part)[:, None] + offs[None, :]  # [BLOCK_P, BLOCK]
-        m2 = (pp < parts)[:, None] & mask[None, :]
-        x = tl.load(Mx + ptr, mask=m2, other=float("-inf"))
-        M = tl.maximum(M, tl.max(x, axis=0))
-        n_nan += tl.sum((x != x).to(tl.int32), axis=0)
-    M = tl.where(n_nan > 0, float("nan"), M)  # (NaN propagates, as in torch's max)
-    done = M != float("-inf")  # (true for NaN and +inf: those rows' lse is NaN, not 0)
-    Mz = tl.where(done, M, 0.0)
-    S = tl.zeros([BLOCK], tl.float32)
-    ss = tl.zeros([BLOCK], tl.float32)
-    for p0 in range(0, parts, BLOCK_P):
-        pp = p0 + offs_p
-        ptr = (pp.to(tl.int64) * stride_part)[:, None] + offs[None, :]
-        m2 = (pp < parts)[:, None] & mask[None, :]
-        x = tl.load(Mx + ptr, mask=m2, other=float("-inf"))
-        S += tl.sum(tl.load(Se + ptr, mask=m2, other=0.0) * tl.exp(x - Mz[None, :]), axis=0)
-        if HAS_SS:
-            ss += tl.sum(tl.load(Ss + ptr, mask=m2, other=0.0), axis=0)
-    # (S is NaN where a split's sum is, e.g. a row of NaN logits whose max reads -inf: its lse
-    # is NaN too)
-    nan_s = S != S
-    tl.store(Lse + offs, tl.where(done | nan_s, Mz + tl.log(tl.where(done | nan_s, S, 1.0)), 0.0), mask=mask)
-    tl.store(Tl + offs, tl.where(done, tl.load(Zt + offs, mask=mask, other=0.0), 0.0), mask=mask)
-    if HAS_SS:
-        tl.store(SsOut + offs, tl.where(done, ss, 0.0), mask=mask)
-    if HAS_M0:
-        m0 = tl.load(M0 + offs, mask=mask, other=0.0)
-        tl.store(M0Out + offs, tl.where(tl.abs(m0) < float("inf"), m0, 0.0), mask=mask)
-
-
-def merge_splits(
-    Mx: torch.Tensor, Se: torch.Tensor, Ss: torch.Tensor | None, zt: torch.Tensor, m0: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(lse, target logit, weighted logit sum or None, m0 or None), fp32 [N], from the splits'
-    partials Mx / Se / Ss [parts, N] (the comment above _merge_kernel); one launch."""
-    P, N = Mx.shape
-    f32 = torch.float32
-    lse = torch.empty(N, dtype=f32, device=Mx.device)
-    tl_ = torch.empty(N, dtype=f32, device=Mx.device)
-    ss = None if Ss is None else torch.empty(N, dtype=f32, device=Mx.device)
-    m0o = None if m0 is None else torch.empty(N, dtype=f32, device=Mx.device)
-    if N > 0:
-        # (The interpreter runs programs one after another at a fixed cost per operation: there
-        # few programs of long rows.)
-        BLOCK, BLOCK_P = (1024, 4) if interpreting() else (64, 16)
-        with device_context(Mx.device):
-            _merge_kernel[(triton.cdiv(N, BLOCK),)](
-                Mx=Mx, Se=Se, Ss=Ss, Zt=zt, M0=m0, Lse=lse, Tl=tl_, SsOut=ss, M0Out=m0o, N=N, parts=P,
-                stride_part=Mx.stride(0), BLOCK=BLOCK, BLOCK_P=BLOCK_P,
-            )  # fmt: skip
-    return lse, tl_, ss, m0o
 
 
 @dataclass
@@ -769,7 +719,7 @@ def _fwd_entropy_argmax(
     ent = amax = None
     if f.entropy or f.argmax:
         M = Mx.max(0).values
-        done = M != float("-inf")  # (NaN / +inf rows propagate, as in _merge_kernel)
+        done = M != float("-inf")  # (NaN / +inf rows propagate, as in split_merge.merge_splits)
         Mz = torch.where(done, M, 0.0)
         S = (Se * torch.exp(Mx - Mz)).sum(0)
     if f.entropy:
