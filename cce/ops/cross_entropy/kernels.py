@@ -180,6 +180,28 @@ def _ce_fwd_kernel(
     if ENTROPY:
         # (a split whose classes are all masked has s = 0 and no mass: 0, weighted by 0 below)
         ent = tl.where(active & (s > 0), (tl.log2(s) - hs / s) * LN2, 0.0)
+    else:
+        ent = hs  # (not stored)
+    _store_row_stats(
+        LSE, SSUM, ENT, AMV, AMX, row, split, n_splits, lse, ssum, ent, av, amax,
+        HAS_SMOOTHING, ENTROPY, ARGMAX, SPLIT,
+    )  # fmt: skip
+    if split == 0:
+        safe_t = tl.where(active, t, 0)  # an ignored row reads its first element, then drops it
+        xt = tl.load(x_row + safe_t).to(tl.float32)
+        Lt, _ = _capped(xt, softcap, HAS_SOFTCAP)
+        if HAS_TEMP:
+            Lt = Lt * inv_temp
+        tl.store(TGT + row, tl.where(active, Lt, 0.0))
+
+
+@triton.jit
+def _store_row_stats(
+    LSE, SSUM, ENT, AMV, AMX, row, split, n_splits, lse, ssum, ent, av, amax,
+    HAS_SMOOTHING: tl.constexpr, ENTROPY: tl.constexpr, ARGMAX: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """A (row, split)'s statistics: at [row, split] of the partials with SPLIT (the split's max
+    logit in AMV, its argmax as int32), else the row's own (its argmax as int64)."""
     if SPLIT:
         tl.store(LSE + row * n_splits + split, lse)
         if HAS_SMOOTHING:
@@ -197,13 +219,6 @@ def _ce_fwd_kernel(
             tl.store(ENT + row, ent)
         if ARGMAX:
             tl.store(AMX + row, amax.to(tl.int64))
-    if split == 0:
-        safe_t = tl.where(active, t, 0)  # an ignored row reads its first element, then drops it
-        xt = tl.load(x_row + safe_t).to(tl.float32)
-        Lt, _ = _capped(xt, softcap, HAS_SOFTCAP)
-        if HAS_TEMP:
-            Lt = Lt * inv_temp
-        tl.store(TGT + row, tl.where(active, Lt, 0.0))
 
 
 @triton.jit

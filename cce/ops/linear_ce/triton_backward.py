@@ -220,9 +220,7 @@ def sparse_backward(
         dz_bound=dz_bound, cm=cm_fwd if rule.cm is None else rule.cm, decided=rule.decided,
         temperature=temperature, block_bytes=dense_slab_bytes, kept_sums_bytes=kept_sums_bytes,
     )  # fmt: skip
-    if return_plan:
-        return dE, dC, plan
-    return dE, dC
+    return (dE, dC, plan) if return_plan else (dE, dC)
 
 
 @dataclasses.dataclass
